@@ -1,0 +1,187 @@
+"""Shared monkeypatch mechanics for every framework adapter.
+
+One place for the three things each adapter needs:
+
+* a version guard (:func:`require_version`) that names the installed version when it refuses;
+* symbol resolution (:func:`resolve`) that fails loudly when a patch target is missing;
+* a :class:`PatchSet` that checks *every* target before touching any, installs wrappers, can undo them,
+  and logs one loud activation line.
+
+A patch that does not take effect must never be silent, so nothing here swallows a missing symbol.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+logger = logging.getLogger("faircast_plugins")
+
+
+class FairCastPatchError(RuntimeError):
+    """A framework patch could not be applied (missing symbol, unsupported version)."""
+
+
+def installed_version(distribution: str) -> str | None:
+    """Version string of an installed distribution, or None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def require_version(distribution: str, specifier: str, *, framework: str | None = None) -> str:
+    """Return the installed version of ``distribution`` or raise if it is missing or outside ``specifier``."""
+    name = framework or distribution
+    version = installed_version(distribution)
+    if version is None:
+        raise FairCastPatchError(
+            f"Fair Cast for {name} needs the '{distribution}' package ({specifier}), which is not installed."
+        )
+    if Version(version) not in SpecifierSet(specifier, prereleases=True):
+        raise FairCastPatchError(
+            f"Fair Cast supports {distribution}{specifier}; the installed {distribution} is {version}. "
+            f"Its patch points have not been verified for {version}, so Fair Cast refuses to run rather than "
+            f"silently leave the export or the loss on a round-to-nearest copy."
+        )
+    return version
+
+
+def resolve(path: str) -> tuple[Any, str, Any]:
+    """Resolve ``"package.module:Class.attr"`` to ``(owner, attr_name, current_value)``.
+
+    Raises :class:`FairCastPatchError` naming the missing piece.
+    """
+    module_name, _, qualname = path.partition(":")
+    if not qualname:
+        raise ValueError(f"patch target {path!r} must look like 'package.module:Attr[.attr]'")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FairCastPatchError(f"cannot import {module_name} for patch target {path}: {exc}") from exc
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        if not hasattr(owner, part):
+            raise FairCastPatchError(f"patch target {path}: {owner!r} has no attribute {part!r}")
+        owner = getattr(owner, part)
+    attr = parts[-1]
+    # Look in the class dict first so staticmethod/classmethod descriptors are kept as they are.
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attr in vars(klass):
+                return owner, attr, vars(klass)[attr]
+        raise FairCastPatchError(f"patch target {path}: class {owner.__qualname__} has no attribute {attr!r}")
+    if not hasattr(owner, attr):
+        raise FairCastPatchError(f"patch target {path}: {owner!r} has no attribute {attr!r}")
+    return owner, attr, getattr(owner, attr)
+
+
+_MISSING = object()
+
+
+@dataclass
+class _Applied:
+    owner: Any
+    attr: str
+    previous: Any  # value in owner.__dict__ before patching, or _MISSING if it was inherited
+
+
+@dataclass
+class PatchSet:
+    """A named group of patches for one framework, applied and removed together.
+
+    ``framework`` is the human name, ``distribution`` the pip name and ``specifier`` the supported range.
+    Each :meth:`wrap` registers ``target -> factory(original)``; nothing is touched before :meth:`apply`,
+    which first checks the version and resolves every target, so a half-applied patch set cannot happen.
+    """
+
+    framework: str
+    distribution: str
+    specifier: str
+    _wanted: list[tuple[str, Callable[[Any], Any]]] = field(default_factory=list)
+    _applied: list[_Applied] = field(default_factory=list)
+    version: str | None = None
+
+    def wrap(self, target: str, factory: Callable[[Any], Any]) -> "PatchSet":
+        """Register a patch: ``factory(original)`` returns the replacement for ``target``."""
+        self._wanted.append((target, factory))
+        return self
+
+    @property
+    def active(self) -> bool:
+        return bool(self._applied)
+
+    @property
+    def targets(self) -> list[str]:
+        return [t for t, _ in self._wanted]
+
+    def check(self) -> str:
+        """Check the installed version and that every target exists. Returns the version."""
+        self.version = require_version(self.distribution, self.specifier, framework=self.framework)
+        missing = []
+        for target, _ in self._wanted:
+            try:
+                resolve(target)
+            except FairCastPatchError as exc:
+                missing.append(str(exc))
+        if missing:
+            raise FairCastPatchError(
+                f"Fair Cast cannot patch {self.framework} {self.version}: "
+                + "; ".join(missing)
+                + f". Supported: {self.distribution}{self.specifier}."
+            )
+        return self.version
+
+    def apply(self, *, details: str = "") -> "PatchSet":
+        """Check everything, then install every wrapper. Idempotent."""
+        if self.active:
+            return self
+        self.check()
+        try:
+            for target, factory in self._wanted:
+                owner, attr, original = resolve(target)
+                previous = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else original
+                replacement = factory(original)
+                _mark(replacement, target)
+                setattr(owner, attr, replacement)
+                self._applied.append(_Applied(owner, attr, previous))
+        except BaseException:
+            self.remove()
+            raise
+        log_activation(self.framework, self.version, self.targets, details)
+        return self
+
+    def remove(self) -> None:
+        """Undo every applied patch, newest first."""
+        while self._applied:
+            item = self._applied.pop()
+            if item.previous is _MISSING:
+                delattr(item.owner, item.attr)
+            else:
+                setattr(item.owner, item.attr, item.previous)
+
+
+def _mark(obj: Any, target: str) -> None:
+    func = getattr(obj, "__func__", obj)
+    try:
+        func.__faircast_patch__ = target
+    except (AttributeError, TypeError):
+        pass
+
+
+def is_patched(obj: Any) -> bool:
+    """True when ``obj`` (a function or descriptor) was installed by a :class:`PatchSet`."""
+    return hasattr(getattr(obj, "__func__", obj), "__faircast_patch__")
+
+
+def log_activation(framework: str, version: str | None, targets: list[str], details: str = "") -> None:
+    """One loud line per activation, at WARNING so it shows under default logging configs."""
+    msg = f"Fair Cast ACTIVE for {framework} {version}: patched {len(targets)} symbol(s) [{', '.join(targets)}]"
+    if details:
+        msg += f"; {details}"
+    logger.warning(msg)

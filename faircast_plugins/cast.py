@@ -1,0 +1,232 @@
+"""The public cast: validation and backend dispatch over the ROUNDING.md implementations.
+
+Backends (all bit-identical, all tested against the golden vectors):
+
+* ``"torch"``: :mod:`faircast_plugins.torch_ref`, any device, the semantic reference;
+* ``"triton"``: :mod:`faircast_plugins.kernels.triton_cast`, CUDA (or CPU under ``TRITON_INTERPRET=1``);
+* ``"cpu"``: :mod:`faircast_plugins.kernels.cpu_cast`, a fused, multithreaded numba loop for CPU tensors;
+* ``"auto"``: Triton on CUDA, the numba loop on CPU when numba is installed, else torch.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import torch_ref
+
+MODES = ("stochastic", "nearest", "error_feedback")
+BACKENDS = ("auto", "torch", "triton", "cpu")
+_INDEX_LIMIT = 2**63
+
+logger = logging.getLogger("faircast_plugins")
+
+
+@dataclass
+class CastItem:
+    """One flat, contiguous piece to cast: ``out`` (bf16) <- ``x`` (fp32), global indices from ``offset``."""
+
+    out: torch.Tensor
+    x: torch.Tensor
+    key: int
+    offset: int = 0
+    residual: Optional[torch.Tensor] = None
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown Fair Cast mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _check_inputs(x, *, key, offset, mode, residual, out, indices) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fair_cast takes a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"Fair Cast needs fp32 master weights, got a {x.dtype} tensor")
+    check_mode(mode)
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**64:
+        raise ValueError(f"Fair Cast key must be an int in [0, 2**64), got {key!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be a non-negative int (the global index of x's first element), got {offset!r}")
+    if offset + x.numel() > _INDEX_LIMIT:
+        raise ValueError(f"global indices up to {offset + x.numel()} exceed 2**63")
+    if indices is not None:
+        if offset:
+            raise ValueError("pass either offset= (contiguous shard) or indices= (arbitrary layout), not both")
+        if indices.dtype != torch.int64 or indices.shape != x.shape or indices.device != x.device:
+            raise ValueError("indices must be an int64 tensor with x's shape and device")
+    elif not x.is_contiguous():
+        raise ValueError(
+            "fair_cast got a non-contiguous tensor, so its elements' global indices are unknown. Pass a "
+            "contiguous shard with offset=<global index of its first element>, or indices= "
+            "(see faircast_plugins.block_indices for a column split of a 2-D weight)."
+        )
+    if mode == "error_feedback":
+        if residual is None:
+            raise ValueError("mode='error_feedback' needs residual= (an fp32 tensor shaped like x, zeros at start)")
+        if residual.dtype != torch.float32 or residual.shape != x.shape or residual.device != x.device:
+            raise ValueError(
+                f"error-feedback residual must be fp32 with x's shape {tuple(x.shape)} on {x.device}; got "
+                f"{residual.dtype} {tuple(residual.shape)} on {residual.device}"
+            )
+        if not residual.is_contiguous():
+            raise ValueError("error-feedback residual must be contiguous")
+        if indices is not None:
+            raise ValueError("error_feedback is index-free; indices= applies to stochastic only")
+    elif residual is not None:
+        raise ValueError(f"residual= is only used by mode='error_feedback', not {mode!r}")
+    if out is not None:
+        if out.dtype != torch.bfloat16 or out.shape != x.shape or out.device != x.device or not out.is_contiguous():
+            raise ValueError("out must be a contiguous bf16 tensor with x's shape and device")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_module(backend: str):
+    if backend == "triton":
+        from .kernels import triton_cast
+
+        return triton_cast
+    if backend == "cpu":
+        from .kernels import cpu_cast
+
+        return cpu_cast
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def available_backends() -> tuple[str, ...]:
+    """Backends that import on this machine (torch is always there)."""
+    found = ["torch"]
+    for name in ("triton", "cpu"):
+        try:
+            _kernel_module(name)
+            found.append(name)
+        except Exception:  # noqa: BLE001 - an optional backend that cannot import is simply absent
+            pass
+    return tuple(found)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown Fair Cast backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        if backend != "torch" and backend not in available_backends():
+            raise RuntimeError(f"Fair Cast backend {backend!r} is not available here (install faircast-plugins[{backend if backend == 'triton' else 'cpu'}])")
+        if backend == "cpu" and device.type != "cpu":
+            raise ValueError(f"backend='cpu' casts CPU tensors only, got a tensor on {device}")
+        return backend
+    if device.type == "cuda" and "triton" in available_backends():
+        return "triton"
+    if device.type == "cpu" and "cpu" in available_backends():
+        return "cpu"
+    return "torch"
+
+
+def _torch_cast_item(item: CastItem, mode: str) -> None:
+    if mode == "stochastic":
+        torch_ref.cast_stochastic_(item.out, item.x, item.key, item.offset)
+    elif mode == "nearest":
+        item.out.copy_(torch_ref.nearest(item.x))
+    else:
+        torch_ref.cast_error_feedback_(item.out, item.x, item.residual)
+
+
+def _run(items: Sequence[CastItem], mode: str, backend: str) -> None:
+    if not items:
+        return
+    if backend == "torch":
+        for item in items:
+            _torch_cast_item(item, mode)
+    else:
+        _kernel_module(backend).cast_many(items, mode)
+
+
+def fair_cast(
+    x: torch.Tensor,
+    *,
+    key: int,
+    offset: int = 0,
+    mode: str = "stochastic",
+    residual: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    out: Optional[torch.Tensor] = None,
+    indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Cast an fp32 tensor to its Fair Cast bf16 copy, per ``ROUNDING.md``.
+
+    ``key`` comes from :func:`derive_key`; ``offset`` is the global (row-major, unsharded) index of ``x``'s
+    first element; ``indices`` instead gives every element's global index (non-contiguous shards).
+    ``error_feedback`` updates ``residual`` in place. Returns a bf16 tensor of ``x``'s shape on its device.
+    """
+    _check_inputs(x, key=key, offset=offset, mode=mode, residual=residual, out=out, indices=indices)
+    result = out if out is not None else torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if x.numel() == 0:
+        return result
+    if indices is not None:
+        if mode == "nearest":
+            result.copy_(torch_ref.nearest(x))
+        else:
+            result.copy_(torch_ref.cast_stochastic_at(x, key, indices))
+        return result
+    item = CastItem(result.view(-1), x.view(-1), key, offset, None if residual is None else residual.view(-1))
+    _run([item], mode, resolve_backend(backend, x.device))
+    return result
+
+
+def fair_cast_many(
+    xs: Sequence[torch.Tensor],
+    *,
+    keys: Sequence[int],
+    offsets: Optional[Sequence[int]] = None,
+    mode: str = "stochastic",
+    residuals: Optional[Sequence[torch.Tensor]] = None,
+    backend: str = "auto",
+    outs: Optional[Sequence[torch.Tensor]] = None,
+) -> list[torch.Tensor]:
+    """Batched :func:`fair_cast` for a whole model: one kernel launch (Triton) or one parallel loop (CPU).
+
+    All tensors must sit on one device. Returns the bf16 copies in order.
+    """
+    n = len(xs)
+    offsets = list(offsets) if offsets is not None else [0] * n
+    residuals = list(residuals) if residuals is not None else [None] * n
+    outs = list(outs) if outs is not None else [None] * n
+    if not (len(keys) == len(offsets) == len(residuals) == len(outs) == n):
+        raise ValueError("fair_cast_many: xs, keys, offsets, residuals and outs must have the same length")
+    if n == 0:
+        return []
+    device = xs[0].device
+    items, results = [], []
+    for x, key, off, res, out in zip(xs, keys, offsets, residuals, outs):
+        _check_inputs(x, key=key, offset=off, mode=mode, residual=res, out=out, indices=None)
+        if x.device != device:
+            raise ValueError(f"fair_cast_many needs one device; got {device} and {x.device}")
+        result = out if out is not None else torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+        results.append(result)
+        if x.numel():
+            items.append(CastItem(result.view(-1), x.view(-1), key, off, None if res is None else res.view(-1)))
+    _run(items, mode, resolve_backend(backend, device))
+    return results
+
+
+def block_indices(full_shape: Sequence[int], starts: Sequence[int], shape: Sequence[int], device=None) -> torch.Tensor:
+    """Global row-major indices of the block ``[starts[d] : starts[d] + shape[d]]`` of a tensor of ``full_shape``.
+
+    Use with ``fair_cast(..., indices=...)`` for shards that are not a contiguous run of the flattened
+    parameter (a tensor-parallel column split of a 2-D weight, for example).
+    """
+    if not (len(full_shape) == len(starts) == len(shape)):
+        raise ValueError("full_shape, starts and shape must have the same number of dimensions")
+    idx = torch.zeros(list(shape), dtype=torch.int64, device=device)
+    stride = 1
+    for d in reversed(range(len(full_shape))):
+        if starts[d] < 0 or starts[d] + shape[d] > full_shape[d]:
+            raise ValueError(f"block dim {d}: [{starts[d]}, {starts[d] + shape[d]}) is outside 0..{full_shape[d]}")
+        ar = torch.arange(starts[d], starts[d] + shape[d], dtype=torch.int64, device=device) * stride
+        idx += ar.view([-1 if i == d else 1 for i in range(len(shape))])
+        stride *= full_shape[d]
+    return idx

@@ -8,11 +8,15 @@ Public API (bit-exact with ``ROUNDING.md``)::
     FairCastConfig, FairCaster     # config and the stateful caster the adapters share
 """
 from .cast import MODES, available_backends, block_indices, fair_cast, fair_cast_many
+from .caster import FairCaster
+from .config import FairCastConfig
 from .key import canonical_name, derive_key
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FairCastConfig",
+    "FairCaster",
     "MODES",
     "available_backends",
     "block_indices",

@@ -1,0 +1,121 @@
+"""Audit metrics: how far the served bf16 copy is from the fp32 master, measured on a fixed sample.
+
+Each observed parameter contributes up to ``sample`` elements at fixed, evenly spaced positions, so the
+cost per step is bounded on any model size (a 7B model at the default 4096 per parameter reads ~1.2M
+elements). Between two consecutive observed weight versions the tracker reports:
+
+``faircast/served_changed_frac``
+    fraction of sampled served (bf16) elements whose bits changed since the previous export.
+``faircast/master_moved_frac``
+    fraction of sampled fp32 master elements that changed.
+``faircast/lag_steps``
+    how many steps the served copy trails the master. With ``D`` the master's mean per-step update over the
+    last ``window`` versions, ``lag = sum((x - q) * D) / sum(D * D)``: the number of recent updates that the
+    master holds and the served copy ``q`` does not. About 0 when the served copy follows the master in
+    expectation (stochastic rounding, error feedback); it climbs when updates below half a bf16 step pile
+    up unexported (round-to-nearest).
+``faircast/bias``
+    ``|mean(sign(d) * (w - d))|`` over moved elements, where ``d`` is the fp32 update and ``w`` the update
+    the served copy received (``q_now - q_prev``): the mean signed deviation of the written update along the
+    update's direction. ``faircast/bias_rel`` divides it by ``mean(|d|)``: 1 means every update was lost,
+    0 means the written updates are unbiased.
+
+Totals are plain sums (see :meth:`Audit.totals`) so adapters can all-reduce them across ranks before
+:func:`finalize`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Dict, Optional
+
+import torch
+
+TOTAL_KEYS = ("n", "served_changed", "master_moved", "moved", "dev_along", "abs_update", "lag_num", "lag_den")
+
+
+def sample_positions(numel: int, sample: int, device) -> Optional[torch.Tensor]:
+    """Fixed, evenly spaced flat positions (None = all elements)."""
+    if numel <= sample:
+        return None
+    return torch.linspace(0, numel - 1, sample, device=device).round().to(torch.int64)
+
+
+class _Track:
+    def __init__(self, pos, window: int):
+        self.pos = pos
+        self.version = -1
+        self.served: Optional[torch.Tensor] = None
+        self.history: Deque[torch.Tensor] = deque(maxlen=window + 1)
+
+
+class Audit:
+    """Collects samples of (master, served) per parameter and weight version."""
+
+    def __init__(self, sample: int = 4096, window: int = 8):
+        self.sample = sample
+        self.window = window
+        self._tracks: Dict[str, _Track] = {}
+        self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
+
+    def observe(self, name: str, version: int, master: torch.Tensor, served: torch.Tensor) -> None:
+        """Record the master and the served copy of one parameter (or shard) at ``version``."""
+        track = self._tracks.get(name)
+        if track is None or (track.pos is None and master.numel() > self.sample):
+            track = self._tracks[name] = _Track(sample_positions(master.numel(), self.sample, master.device), self.window)
+        if version == track.version:
+            return  # the same version cast again (another cast site): nothing new to measure
+        flat_x, flat_q = master.detach().reshape(-1), served.detach().reshape(-1)
+        if track.pos is not None:
+            flat_x, flat_q = flat_x[track.pos], flat_q[track.pos]
+        x = flat_x.double()
+        q_bits = flat_q.view(torch.int16).clone()
+        q = flat_q.double()
+        if track.served is not None and version == track.version + 1:
+            x_prev = track.history[-1]
+            q_prev_bits = track.served
+            d = x - x_prev
+            w = q - q_prev_bits.view(torch.bfloat16).double()
+            moved = d != 0
+            t = self._totals
+            t["n"] += x.numel()
+            t["served_changed"] += float((q_bits != q_prev_bits).sum())
+            t["master_moved"] += float(moved.sum())
+            t["moved"] += float(moved.sum())
+            t["dev_along"] += float((torch.sign(d) * (w - d)).sum())
+            t["abs_update"] += float(d.abs().sum())
+            oldest = track.history[0]
+            steps = len(track.history)
+            drift = (x - oldest) / steps
+            t["lag_num"] += float(((x - q) * drift).sum())
+            t["lag_den"] += float((drift * drift).sum())
+        elif track.served is not None and version != track.version + 1:
+            track.history.clear()  # a gap (resume, skipped export): restart the window
+        track.history.append(x)
+        track.served = q_bits
+        track.version = version
+
+    def totals(self, reset: bool = True) -> Dict[str, float]:
+        """Raw sums since the last reset (all-reduce these across ranks, then call :func:`finalize`)."""
+        out = dict(self._totals)
+        if reset:
+            self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
+        return out
+
+    def metrics(self, reset: bool = True) -> Dict[str, float]:
+        return finalize(self.totals(reset))
+
+
+def finalize(t: Dict[str, float]) -> Dict[str, float]:
+    """Turn summed totals into the ``faircast/*`` metrics (empty when nothing was measured yet)."""
+    if not t.get("n"):
+        return {}
+    out = {
+        "faircast/served_changed_frac": t["served_changed"] / t["n"],
+        "faircast/master_moved_frac": t["master_moved"] / t["n"],
+    }
+    if t["moved"]:
+        out["faircast/bias"] = abs(t["dev_along"] / t["moved"])
+        out["faircast/bias_rel"] = abs(t["dev_along"]) / t["abs_update"] if t["abs_update"] else 0.0
+    if t["lag_den"]:
+        out["faircast/lag_steps"] = t["lag_num"] / t["lag_den"]
+    return out

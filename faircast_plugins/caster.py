@@ -1,0 +1,200 @@
+"""FairCaster: the stateful engine every adapter shares.
+
+It owns the weight version, canonical names, the error-feedback residuals, the EMA of the master and the
+audit tracker, and it round-trips through ``state_dict()`` / ``load_state_dict()`` so a resumed run serves
+bit-identical copies.
+
+Lifecycle in an adapter::
+
+    caster = FairCaster(config)             # version 0: before the first optimizer step
+    q = caster.cast(name, master_shard, offset=global_offset)   # any number of cast sites, same bits
+    optimizer.step()
+    caster.advance(named_masters)           # version += 1 (EMA update when ema_decay > 0)
+
+Casting the same parameter twice at one version gives the same bits in every mode: ``stochastic`` and
+``nearest`` are pure functions of (master, seed, version, name, index); ``error_feedback`` advances its
+residual once per version and keeps that version's served copy (2 B/param) for repeated cast sites.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Dict, Iterable, Mapping, Optional, Tuple, Union
+
+import torch
+
+from .audit import Audit
+from .cast import fair_cast, fair_cast_many
+from .config import FairCastConfig
+from .key import canonical_name, derive_key
+
+Named = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
+
+STATE_FORMAT = 1
+
+
+def _items(named: Named):
+    return named.items() if isinstance(named, Mapping) else named
+
+
+class _Residual:
+    """Error-feedback state of one parameter (or shard): residual entering ``version``, and the last served copy."""
+
+    __slots__ = ("residual", "version", "offset", "served")
+
+    def __init__(self, residual: torch.Tensor, version: int, offset: int, served: Optional[torch.Tensor] = None):
+        self.residual, self.version, self.offset, self.served = residual, version, offset, served
+
+
+class FairCaster:
+    """Casts fp32 masters to the served bf16 copy at the current weight version."""
+
+    def __init__(self, config: Optional[FairCastConfig] = None, *, version: int = 0):
+        self.config = config if config is not None else FairCastConfig(enabled=True)
+        self.version = version
+        self._ef: Dict[str, _Residual] = {}
+        self._ema: Dict[str, torch.Tensor] = {}
+        self.audit = Audit(self.config.audit_sample) if self.config.audit else None
+
+    # -- keys and names -------------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.config.effective_mode
+
+    def key(self, name: str) -> int:
+        return derive_key(self.config.seed, self.version, canonical_name(name))
+
+    # -- casting --------------------------------------------------------------------------------------------
+    def source(self, name: str, master: torch.Tensor) -> torch.Tensor:
+        """The tensor the cast reads: the master, or its EMA when ``ema_decay > 0``."""
+        if not (self.config.enabled and self.config.ema_decay):
+            return master
+        name = canonical_name(name)
+        m = self._ema.get(name)
+        if m is None:
+            m = self._ema[name] = master.detach().clone()
+        return m
+
+    def cast(
+        self,
+        name: str,
+        master: torch.Tensor,
+        *,
+        offset: int = 0,
+        out: Optional[torch.Tensor] = None,
+        indices: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The served bf16 copy of ``master`` (a full parameter, or a shard starting at global ``offset``)."""
+        cname = canonical_name(name)
+        src = self.source(cname, master)
+        if self.mode == "error_feedback":
+            q = self._cast_error_feedback(cname, src, offset, out)
+        else:
+            q = fair_cast(
+                src, key=self.key(cname), offset=offset, mode=self.mode, backend=self.config.backend,
+                out=out, indices=indices,
+            )
+        if self.audit is not None:
+            self.audit.observe(f"{cname}@{offset}", self.version, master, q)
+        return q
+
+    def cast_many(self, named: Named, *, offsets: Optional[Iterable[int]] = None) -> Dict[str, torch.Tensor]:
+        """Cast many parameters at once (one batched launch when the mode allows). Returns ``{name: bf16}``."""
+        pairs = list(_items(named))
+        offsets = list(offsets) if offsets is not None else [0] * len(pairs)
+        if self.mode == "error_feedback" or not pairs:
+            return {n: self.cast(n, x, offset=o) for (n, x), o in zip(pairs, offsets)}
+        names = [canonical_name(n) for n, _ in pairs]
+        srcs = [self.source(n, x) for n, (_, x) in zip(names, pairs)]
+        outs = fair_cast_many(
+            srcs, keys=[self.key(n) for n in names], offsets=offsets, mode=self.mode, backend=self.config.backend
+        )
+        if self.audit is not None:
+            for n, o, (_, x), q in zip(names, offsets, pairs, outs):
+                self.audit.observe(f"{n}@{o}", self.version, x, q)
+        return {orig: q for (orig, _), q in zip(pairs, outs)}
+
+    def _cast_error_feedback(self, name: str, src: torch.Tensor, offset: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+        state = self._ef.get(name)
+        if state is None:
+            state = self._ef[name] = _Residual(torch.zeros_like(src, dtype=torch.float32), self.version, offset)
+        if state.offset != offset or state.residual.shape != src.shape:
+            raise ValueError(
+                f"error-feedback residual for {name} belongs to a shard at offset {state.offset} with shape "
+                f"{tuple(state.residual.shape)}; got offset {offset}, shape {tuple(src.shape)}. The residual is "
+                f"per-rank state: resume with the same sharding, or use mode='stochastic'."
+            )
+        if state.residual.device != src.device:
+            state.residual = state.residual.to(src.device)
+        if state.version == self.version + 1 and state.served is not None:
+            q = state.served.to(src.device)  # this version was already cast: same bits again
+            if out is not None:
+                out.copy_(q)
+                return out
+            return q.clone()
+        if state.version != self.version:
+            raise RuntimeError(
+                f"error-feedback residual for {name} is at version {state.version}, the caster at {self.version}: "
+                f"every version must be cast exactly once in order (was a cast skipped, or state not restored?)"
+            )
+        q = fair_cast(src, key=0, mode="error_feedback", residual=state.residual, backend=self.config.backend, out=out)
+        state.version = self.version + 1
+        state.served = q.detach().clone()
+        return q
+
+    # -- weight version -------------------------------------------------------------------------------------
+    def advance(self, masters: Optional[Named] = None, steps: int = 1) -> int:
+        """Move to the next weight version after an optimizer step; update the EMA from ``masters``."""
+        if steps < 1:
+            raise ValueError("steps must be >= 1")
+        ema = self.config.enabled and self.config.ema_decay
+        if ema:
+            if masters is None:
+                raise ValueError("FairCaster.advance needs the updated masters when ema_decay > 0")
+            b = self.config.ema_decay
+            for name, x in _items(masters):
+                m = self.source(name, x)
+                for _ in range(steps):
+                    m.add_(x.detach() - m, alpha=1.0 - b)
+        if self.mode == "error_feedback" and steps > 1:
+            raise ValueError("error_feedback casts every version: advance one step at a time")
+        self.version += steps
+        return self.version
+
+    def metrics(self, reset: bool = True) -> Dict[str, float]:
+        """``faircast/*`` metrics since the last call (empty without audit or before two versions were seen)."""
+        out = {"faircast/version": float(self.version)}
+        if self.audit is not None:
+            out.update(self.audit.metrics(reset))
+        return out
+
+    # -- checkpointing --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to resume bit-identically (tensors stay on their device; move them as you save)."""
+        return {
+            "format": STATE_FORMAT,
+            "version": self.version,
+            "config": asdict(self.config),
+            "ema": {n: t for n, t in self._ema.items()},
+            "error_feedback": {
+                n: {"residual": s.residual, "version": s.version, "offset": s.offset, "served": s.served}
+                for n, s in self._ef.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"unknown Fair Cast state format {state.get('format')!r} (this version reads {STATE_FORMAT})")
+        saved = FairCastConfig(**state["config"])
+        for field in ("mode", "seed", "ema_decay", "enabled"):
+            if getattr(saved, field) != getattr(self.config, field):
+                raise ValueError(
+                    f"Fair Cast checkpoint was written with {field}={getattr(saved, field)!r} but this run has "
+                    f"{field}={getattr(self.config, field)!r}; resuming would not reproduce the served copies"
+                )
+        self.version = int(state["version"])
+        self._ema = {n: t.clone() for n, t in state["ema"].items()}
+        self._ef = {
+            n: _Residual(s["residual"].clone(), int(s["version"]), int(s["offset"]),
+                         None if s["served"] is None else s["served"].clone())
+            for n, s in state["error_feedback"].items()
+        }

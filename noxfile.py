@@ -47,3 +47,17 @@ def bench(session: nox.Session) -> None:
     """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side."""
     _core_install(session)
     session.run("faircast", "bench", *session.posargs, env=MALLOC_ENV)
+
+
+@nox.session(name="tests-openrlhf", python=PYTHON, tags=["tests"])
+def tests_openrlhf(session: nox.Session) -> None:
+    """DeepSpeed copy-back patch (ZeRO 0/1/2/3, BF16_Optimizer, offload; world 1 and 2, gloo on CPU) and the OpenRLHF adapter.
+
+    openrlhf is installed with --no-deps: its pins include flash-attn, an sdist that cannot build on CPU.
+    Tests use torch optimizers, so no DeepSpeed C++ op is built.
+    """
+    session.install(TORCH)
+    session.install("--no-deps", "openrlhf==0.11.2")
+    session.install("deepspeed==0.19.6", "ray==2.55.0", "transformers==5.15.0", "peft", "pytest", "numpy")
+    session.install("-e", ".")
+    _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})

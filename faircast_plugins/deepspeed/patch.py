@@ -107,8 +107,11 @@ class DeepSpeedFairCast:
         layout = WeightLayout.of_engine(self.engine, self.named_params)
         interceptor = _CopyBackInterceptor(layout, self.caster)
         self.caster.advance()  # the copy-back writes the weights after this step: the next version
+        def copy_(dst, src, non_blocking=False):  # a plain function, so that it binds to the tensor like copy_
+            return interceptor.copy_(dst, src, non_blocking)
+
         try:
-            with temporarily(torch.Tensor, "copy_", interceptor.copy_):
+            with temporarily(torch.Tensor, "copy_", copy_):
                 result = original(self.engine, *args, **kwargs)
         except BaseException:
             self.caster.version -= 1

@@ -58,6 +58,8 @@ def tests_openrlhf(session: nox.Session) -> None:
     """
     session.install(TORCH)
     session.install("--no-deps", "openrlhf==0.11.2")
-    session.install("deepspeed==0.19.6", "ray==2.55.0", "transformers==5.15.0", "peft", "pytest", "numpy")
+    session.install("deepspeed==0.19.6", "ray==2.55.0", "transformers==5.15.0", "pytest", "numpy")
+    # What openrlhf imports at module level (its own pins, minus flash-attn, which tests/openrlhf/shims.py stubs).
+    session.install("peft", "torchdata", "pylatexenc", "accelerate", "aiohttp", "pillow")
     session.install("-e", ".")
     _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})

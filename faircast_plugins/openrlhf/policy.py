@@ -95,10 +95,17 @@ def fit(self, *args, **kwargs):
     return status
 
 
+_SHIPPED = _ACTOR + ".__ray_metadata__.modified_class."
+POLICY_PATCHES = (
+    PatchSet("OpenRLHF", "openrlhf", OPENRLHF_SPECIFIER)
+    .wrap(_SHIPPED + "init_model_from_pretrained", lambda _orig: init_model_from_pretrained)
+    .wrap(_SHIPPED + "fit", lambda _orig: fit)
+)
+
+
 def patch_policy_actor() -> PatchSet:
-    """On the driver, before the actors are created: route the policy actor's init and fit through Fair Cast."""
-    shipped = _ACTOR + ".__ray_metadata__.modified_class."
-    patches = PatchSet("OpenRLHF", "openrlhf", OPENRLHF_SPECIFIER)
-    patches.wrap(shipped + "init_model_from_pretrained", lambda _orig: init_model_from_pretrained)
-    patches.wrap(shipped + "fit", lambda _orig: fit)
-    return patches.apply(details="policy actor attaches the DeepSpeed copy-back patch in every Ray worker")
+    """On the driver, before the actors are created: route the policy actor's init and fit through Fair Cast.
+
+    Idempotent; ``POLICY_PATCHES.remove()`` undoes it.
+    """
+    return POLICY_PATCHES.apply(details="policy actor attaches the DeepSpeed copy-back patch in every Ray worker")

@@ -36,16 +36,27 @@ STEPS = 3
 
 
 def tiny_qwen2(path: str) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A 2-layer Qwen2 (hidden 64, vocab 320) in bf16, and a word-level tokenizer for it, saved to ``path``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=320, max_position_embeddings=64, tie_word_embeddings=False)
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 320)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
 
 
-def openrlhf_args(model_path: str, stage: int, faircast: bool):
-    """OpenRLHF's hierarchized args exactly as its CLI builds them, through the Fair Cast wrapper."""
+def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: bool = False):
+    """OpenRLHF's hierarchized args exactly as its CLI builds them, through the Fair Cast wrapper.
+
+    With ``keep_patches`` the policy-actor patch the CLI installed stays (a Ray test then creates actors).
+    """
     import openrlhf.utils
     import ray
 
@@ -77,7 +88,8 @@ def openrlhf_args(model_path: str, stage: int, faircast: bool):
         pass
     finally:
         openrlhf.utils.get_strategy, ray.is_initialized = real_get_strategy, real_is_init
-        policy.POLICY_PATCHES.remove()
+        if not keep_patches:
+            policy.POLICY_PATCHES.remove()
     return captured["args"], real_get_strategy
 
 

@@ -118,3 +118,17 @@ def test_error_feedback_updates_residual_in_place():
 
 def test_empty_tensor():
     assert fair_cast(torch.zeros(0), key=KEY).numel() == 0
+
+
+def test_flush_to_zero_is_refused_for_float_modes():
+    x = torch.tensor([1e-40, 1.0])
+    try:
+        torch.set_flush_denormal(True)
+        if float(torch.tensor([1e-40]) * 1.0) != 0.0:
+            pytest.skip("this CPU does not support flush-to-zero")
+        with pytest.raises(RuntimeError, match="set_flush_denormal"):
+            fair_cast(x, key=0, mode="error_feedback", residual=torch.zeros(2))
+        fair_cast(x, key=KEY, mode="stochastic")  # integer-only: unaffected
+    finally:
+        torch.set_flush_denormal(False)
+    assert golden.bf16_bits(fair_cast(x, key=0, mode="nearest"))[0] != 0  # subnormal kept once FTZ is off

@@ -117,9 +117,9 @@ class DeepSpeedFairCast:
             self.caster.version -= 1
             raise
         if interceptor.elements_cast == 0:
+            self.caster.version -= 1  # nothing was cast at the new version
             if getattr(self.engine.optimizer, "overflow", False):
-                self.caster.version -= 1  # DeepSpeed skipped this step: the weights did not change
-                return result
+                return result  # DeepSpeed skipped this step: the weights did not change
             raise FairCastPatchError(
                 f"Fair Cast saw {interceptor.copies_seen} fp32->bf16 copies but none into the model's weights during "
                 f"a DeepSpeed {_installed()} optimizer step ({type(self.engine.optimizer).__name__}); the served bf16 "

@@ -113,3 +113,24 @@ def test_unsupported_openrlhf_version_is_refused(monkeypatch):
     with pytest.raises(patching.FairCastPatchError, match=r"openrlhf>=0.11.2,<0.12; the installed openrlhf is 0.10.0"):
         policy.patch_policy_actor()
     assert not policy.POLICY_PATCHES.active
+
+
+def _example_argv():
+    import os
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = open(os.path.join(root, "examples", "openrlhf", "train_grpo_ray_hybrid_engine.sh")).read()
+    tokens = shlex.split(script.replace("\\\n", " "), comments=True)
+    start = tokens.index("faircast_plugins.openrlhf.train_ppo_ray") + 1
+    return tokens[start:]
+
+
+def test_example_script_parses_with_openrlhf(launch):
+    """examples/openrlhf: every argument is one OpenRLHF 0.11.2 accepts, and only --faircast* is added."""
+    argv = _example_argv()
+    extra = [a for a in argv if a.startswith("--faircast")]
+    assert extra == ["--faircast", "--faircast.seed", "--faircast.audit"]
+    args = launch(argv)
+    assert (args.faircast.enable, args.faircast.seed, args.faircast.audit) == (True, 1234, True)
+    assert args.ds.zero_stage == 2 and args.train.colocate_all and args.algo.advantage.estimator == "group_norm"

@@ -183,6 +183,7 @@ def run_scenario(name: str, world: int, mode: str, out_dir: str, rank: int) -> d
         # Resume from the step-3 checkpoint in a fresh engine and replay steps 4..6.
         resumed, rfc = make_engine(name, world, mode, ckpt_load=os.path.join(out_dir, f"ckpt-{name}-{mode}"))
         record["resumed_version"] = rfc.caster.version
+        record["resumed_initial"] = full_weights(resumed)  # what a resume broadcast would send
         record["resumed"] = []
         for _ in range(STEPS - 3):
             train_step(resumed, ids)

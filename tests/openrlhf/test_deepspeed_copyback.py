@@ -144,3 +144,15 @@ def test_audit_metrics_are_reported(runs):
     for key in ("faircast/served_changed_frac", "faircast/master_moved_frac", "faircast/lag_steps"):
         assert key in later, later
     assert later["faircast/master_moved_frac"] > 0.5
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+def test_weights_right_after_resume(runs, mode, world):
+    """ZeRO-2 restores the saved Fair Cast bits. ZeRO-3 re-derives bf16 from the masters with round-to-nearest
+    on load (outside any step; documented limit) until the first step after the resume."""
+    z2 = runs[("z2", mode, world, 0)]
+    assert_same_bits(z2["resumed_initial"], z2["served"][2], f"z2 {mode} world {world} right after resume")
+    z3 = runs[("z3", mode, world, 0)]
+    rtn = {n: m.to(torch.bfloat16) for n, m in z3["masters"][2].items()}
+    assert_same_bits(z3["resumed_initial"], rtn, f"z3 {mode} world {world} right after resume")

@@ -82,6 +82,16 @@ class WeightLayout:
             spans = [Span(p.data_ptr(), p.numel(), name, 0) for name, p in named_params if p.numel() > 0]
         return cls(spans, _offload_aliases(engine))
 
+    def touches(self, dst: torch.Tensor) -> bool:
+        """Whether any element of ``dst`` (any layout) may lie in the mapped weight memory."""
+        if dst.numel() == 0:
+            return False
+        lo = dst.data_ptr()
+        hi = lo + dst.element_size() * (1 + sum((n - 1) * abs(st) for n, st in zip(dst.shape, dst.stride())))
+        targets = [(s.start, s.end) for s in self.spans]
+        targets += [(a.start, a.start + BF16_BYTES * a.numel) for a in self.aliases]
+        return any(a < hi and lo < b for a, b in targets)
+
     def segments(self, dst: torch.Tensor) -> List[Segment]:
         """The parameter runs that a flat, contiguous bf16 destination ``dst`` covers (padding is left out)."""
         lo = dst.data_ptr()

@@ -71,7 +71,14 @@ class _CopyBackInterceptor:
         ):
             return _ORIGINAL_COPY(dst, src, non_blocking)
         self.copies_seen += 1
-        segments = self.layout.segments(dst) if dst.is_contiguous() else []
+        if not dst.is_contiguous():
+            if self.layout.touches(dst):
+                raise FairCastPatchError(
+                    f"DeepSpeed copied fp32 into a non-contiguous view {tuple(dst.shape)} of the bf16 weights; Fair Cast "
+                    f"does not know which parameter elements it covers and refuses to leave them round-to-nearest"
+                )
+            return _ORIGINAL_COPY(dst, src, non_blocking)
+        segments = self.layout.segments(dst)
         if not segments:
             return _ORIGINAL_COPY(dst, src, non_blocking)
         if not src.is_contiguous() or src.numel() != dst.numel():
@@ -107,6 +114,7 @@ class DeepSpeedFairCast:
         layout = WeightLayout.of_engine(self.engine, self.named_params)
         interceptor = _CopyBackInterceptor(layout, self.caster)
         self.caster.advance()  # the copy-back writes the weights after this step: the next version
+
         def copy_(dst, src, non_blocking=False):  # a plain function, so that it binds to the tensor like copy_
             return interceptor.copy_(dst, src, non_blocking)
 

@@ -110,16 +110,17 @@ class DeepSpeedFairCast:
         self.named_params = named_params
         self.last_step_elements = 0
 
-    def take_model_step(self, original, *args, **kwargs):
-        layout = WeightLayout.of_engine(self.engine, self.named_params)
-        interceptor = _CopyBackInterceptor(layout, self.caster)
-        self.caster.advance()  # the copy-back writes the weights after this step: the next version
-
+    def _intercepting(self, interceptor: "_CopyBackInterceptor"):
         def copy_(dst, src, non_blocking=False):  # a plain function, so that it binds to the tensor like copy_
             return interceptor.copy_(dst, src, non_blocking)
 
+        return temporarily(torch.Tensor, "copy_", copy_)
+
+    def take_model_step(self, original, *args, **kwargs):
+        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster)
+        self.caster.advance()  # the copy-back writes the weights after this step: the next version
         try:
-            with temporarily(torch.Tensor, "copy_", copy_):
+            with self._intercepting(interceptor):
                 result = original(self.engine, *args, **kwargs)
         except BaseException:
             self.caster.version -= 1
@@ -135,6 +136,29 @@ class DeepSpeedFairCast:
             )
         self.last_step_elements = interceptor.elements_cast
         return result
+
+    def recast_after_load(self) -> None:
+        """Re-derive ZeRO-3's bf16 partitions from the loaded masters at the current version.
+
+        ZeRO-3 rebuilds its bf16 weights from the fp32 masters with round-to-nearest when it loads a
+        checkpoint; ZeRO-0/1/2 and BF16_Optimizer restore the saved (Fair Cast) bf16 bits themselves.
+        """
+        if self.engine.zero_optimization_stage() != 3:
+            return
+        opt = self.engine.optimizer
+        if not hasattr(opt, "_reassign_or_swap_out_partitioned_parameters"):
+            raise FairCastPatchError(
+                f"DeepSpeed {_installed()} ZeRO-3 has no _reassign_or_swap_out_partitioned_parameters; Fair Cast cannot "
+                f"restore the served copy after a checkpoint load"
+            )
+        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster)
+        with torch.no_grad(), self._intercepting(interceptor):
+            for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+        persistent = opt.persistent_parameters  # small parameters ZeRO-3 keeps gathered: re-gather the new bits
+        if persistent:
+            persistent[0].partition(persistent)  # frees the stale full copies; the partitions stay as cast
+            persistent[0].all_gather(persistent)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_path(self, tag_dir: str) -> str:
@@ -167,6 +191,7 @@ class DeepSpeedFairCast:
             self.caster.version = int(self.engine.global_steps)
             logger.warning("Fair Cast: %s has no Fair Cast state; weight version set to the engine's global step %d",
                            tag_dir, self.caster.version)
+            self.recast_after_load()
             return
         state = torch.load(path, map_location="cpu", weights_only=False)
         saved = state.get("deepspeed", {})
@@ -176,6 +201,7 @@ class DeepSpeedFairCast:
                 f"{self.engine.world_size}: the residuals are per-rank state; resume at the same world size"
             )
         self.caster.load_state_dict(state)
+        self.recast_after_load()
 
 
 def _to_cpu(obj):

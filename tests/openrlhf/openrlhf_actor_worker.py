@@ -15,6 +15,7 @@ CPU substitutions (each one is a transport or build detail, not Fair Cast logic)
 * DeepSpeed's AdamW defaults to FusedAdam (a multi-minute C++ JIT build): ``"torch_adam": true`` is added
   to the optimizer config OpenRLHF generates.
 * vLLM's weight receiver is CUDA-only: the sent tensors are loaded into a plain HF model instead.
+* ``save_ckpt`` ends with ``torch.cuda.synchronize()``: only its barrier is kept.
 """
 from __future__ import annotations
 
@@ -125,20 +126,28 @@ def main(out_file: str, stage: int, faircast: bool) -> None:
         return cfg
 
     DeepspeedStrategy.get_ds_train_config = torch_adam_config
+    # save_ckpt ends with a barrier plus torch.cuda.synchronize(); keep the barrier.
+    sys.modules["openrlhf.utils.deepspeed.deepspeed"].torch_dist_barrier_and_cuda_sync = torch.distributed.barrier
 
-    # As PolicyModelActor.init_model_from_pretrained builds and prepares the policy.
-    actor = Actor(model_path, attn_implementation="eager", param_dtype="bf16", ds_config=strategy.get_ds_train_config())
     actor_cfg = dict(optim=args.actor.optim, muon=vars(args.actor.muon), adam=vars(args.actor.adam),
                      lr_scheduler=args.actor.lr_scheduler, lr_warmup_ratio=args.actor.lr_warmup_ratio,
                      min_lr_ratio=args.actor.min_lr_ratio, max_norm=args.actor.max_norm, scheduler_steps=100)
-    actor, optim, sched = strategy.prepare((actor, actor_cfg))
 
     class PolicyActorState:  # what attach_to_policy reads from PolicyModelActor: its prepared ``actor``
         pass
 
-    holder = PolicyActorState()
-    holder.actor = actor
-    attach_to_policy(holder, args)
+    def build_policy(ckpt_path=None):
+        """As PolicyModelActor.init_model_from_pretrained: build, prepare, load the checkpoint, then Fair Cast."""
+        actor = Actor(model_path, attn_implementation="eager", param_dtype="bf16", ds_config=strategy.get_ds_train_config())
+        actor, optim, sched = strategy.prepare((actor, actor_cfg))
+        if ckpt_path:
+            strategy.load_ckpt(actor.model, ckpt_path)
+        holder = PolicyActorState()
+        holder.actor = actor
+        attach_to_policy(holder, args)
+        return actor, optim, sched
+
+    actor, optim, sched = build_policy()
     engine = actor.model
     assert (engine.__dict__.get("_faircast") is not None) == faircast
 
@@ -185,6 +194,17 @@ def main(out_file: str, stage: int, faircast: bool) -> None:
         served_model.eval()
         with torch.no_grad():
             record["served_logits"].append(served_model(sequences, attention_mask=attention_mask).logits.clone())
+
+    # OpenRLHF's own checkpoint round trip (PolicyModelActor.save_checkpoint / --ckpt.load_enable).
+    ckpt = tempfile.mkdtemp(prefix="ckpt-")
+    strategy.save_ckpt(engine, ckpt, tag=f"global_step{STEPS}", max_num=2, max_mem=1000)
+    resumed, _, _ = build_policy(ckpt)
+    fc = resumed.model.__dict__.get("_faircast")
+    record["resumed_version"] = fc.caster.version if fc else None
+    record["resumed_served"] = {}
+    for name, param in resumed.model.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=stage == 3):
+            record["resumed_served"][name] = param.data.detach().clone()
     torch.save(record, out_file)
 
 

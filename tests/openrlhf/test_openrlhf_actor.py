@@ -89,3 +89,13 @@ def test_policy_metrics(runs):
     metrics = runs[(2, "on")]["metrics"]
     assert [m["faircast/version"] for m in metrics] == [1.0, 2.0, 3.0]
     assert "faircast/lag_steps" in metrics[-1] and "faircast/served_changed_frac" in metrics[-1]
+
+
+@pytest.mark.parametrize("key", [(2, "on"), (3, "on"), (2, "off")])
+def test_openrlhf_checkpoint_round_trip(runs, key):
+    """strategy.save_ckpt, then a fresh policy that loads it before Fair Cast is attached (as OpenRLHF's
+    init does): same weight version, and the weights a resume broadcast sends are the saved served copy."""
+    rec = runs[key]
+    assert rec["resumed_version"] == (worker.STEPS if key[1] == "on" else None)
+    for name, w in rec["served"][-1].items():
+        assert torch.equal(_bits(rec["resumed_served"][name]), _bits(w)), name

@@ -19,15 +19,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def ray_cluster():
     import ray
 
-    ray.init(
-        address="local", num_cpus=2, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        runtime_env={
-            "env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-                         "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"},
-            "worker_process_setup_hook": "ray_cpu_hook.install",
-        },
-    )
+    # Ray gives its raylet a fixed 30 s to register; on a loaded shared machine a start can miss that, so
+    # a failed start is retried (the error of the last attempt is raised).
+    for attempt in range(3):
+        try:
+            ray.init(
+                address="local", num_cpus=2, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                runtime_env={
+                    "env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+                                 "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"},
+                    "worker_process_setup_hook": "ray_cpu_hook.install",
+                },
+            )
+            break
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a start timeout
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
     yield ray
     ray.shutdown()
 

@@ -155,10 +155,7 @@ class DeepSpeedFairCast:
         with torch.no_grad(), self._intercepting(interceptor):
             for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
                 opt._reassign_or_swap_out_partitioned_parameters(sub_group)
-        persistent = opt.persistent_parameters  # small parameters ZeRO-3 keeps gathered: re-gather the new bits
-        if persistent:
-            persistent[0].partition(persistent)  # frees the stale full copies; the partitions stay as cast
-            persistent[0].all_gather(persistent)
+        _regather_persistent(opt.persistent_parameters)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_path(self, tag_dir: str) -> str:
@@ -202,6 +199,20 @@ class DeepSpeedFairCast:
             )
         self.caster.load_state_dict(state)
         self.recast_after_load()
+
+
+def _regather_persistent(params) -> None:
+    """Refresh the full copies ZeRO-3 keeps of small ("persistent") parameters from their recast partitions."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in params:
+        if p.ds_status != ZeroParamStatus.AVAILABLE or p.data.numel() != p.ds_numel:
+            continue  # not gathered now: DeepSpeed gathers it from the partitions when it is used
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size(group=p.ds_process_group))]
+        dist.all_gather(parts, p.ds_tensor.data, group=p.ds_process_group)
+        full = torch.cat([t.to(p.data.device) for t in parts])[: p.ds_numel]
+        p.data.copy_(full.view_as(p.data))
 
 
 def _to_cpu(obj):

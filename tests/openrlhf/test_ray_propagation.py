@@ -20,12 +20,13 @@ def ray_cluster():
     import ray
 
     # Ray gives its raylet a fixed 30 s to register; on a loaded shared machine a start can miss that, so
-    # a failed start is retried (the error of the last attempt is raised).
+    # a failed start is retried (the error of the last attempt is raised). Workers import DeepSpeed and
+    # OpenRLHF in the setup hook before they register, which can take longer than Ray's default 60 s here.
     for attempt in range(3):
         try:
             ray.init(
                 address="local", num_cpus=2, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
-                log_to_driver=False,
+                log_to_driver=False, _system_config={"worker_register_timeout_seconds": 600},
                 runtime_env={
                     "env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
                                  "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"},

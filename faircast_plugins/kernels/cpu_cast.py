@@ -69,16 +69,15 @@ _HALF_ULP = np.uint32(0x7FFF)
 def _round(c0, c1, c2, c3, k0, k1):
     # Masking the multiplicands tells LLVM the products are 32x32->64 (one vpmuludq each). The low words may
     # carry garbage above bit 31: they only feed XORs whose results are masked again before the next multiply.
+    # (c1 ^ k0) is off the multiply's critical path.
     p0 = (c0 & _M32) * _M0
     p1 = (c2 & _M32) * _M1
-    return (p1 >> _S32) ^ c1 ^ k0, p1, (p0 >> _S32) ^ c3 ^ k1, p0
+    return (c1 ^ k0) ^ (p1 >> _S32), p1, (c3 ^ k1) ^ (p0 >> _S32), p0
 
 
 @njit(inline="always")
-def _philox10(g, ks):
-    """Philox4x32-10 of counter (g_lo, g_hi, 0, 0) under the round keys ``ks`` (k0 schedule, then k1 schedule)."""
-    c0 = g & _M32
-    c1 = g >> _S32
+def _philox10(c0, c1, ks):
+    """Philox4x32-10 of counter (c0, c1, 0, 0) under the round keys ``ks`` (k0 schedule, then k1 schedule)."""
     c2 = np.uint64(0)
     c3 = np.uint64(0)
     c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[0], ks[10])
@@ -103,16 +102,18 @@ def _store_words(noise, t, c0, c1, c2, c3):
 
 
 @njit(inline="always")
-def _philox_block(noise, g0, m, ks):
-    """Philox words of groups ``g0 .. g0+m-1`` into ``noise[0 : 4m]``, two independent chains per iteration."""
+def _philox_block(noise, g_lo, g_hi, m, ks):
+    """Philox words of groups ``g .. g+m-1`` (``g = g_hi * 2**32 + g_lo``, no carry into ``g_hi`` inside a block)
+    into ``noise[0 : 4m]``; two independent chains per iteration. With ``g_hi`` fixed, round 1's ``c0`` and
+    round 2's first product are loop-invariant, so LLVM hoists them."""
     h = m >> 1
     for t in range(h):
-        a0, a1, a2, a3 = _philox10(np.uint64(g0 + t), ks)
-        b0, b1, b2, b3 = _philox10(np.uint64(g0 + h + t), ks)
+        a0, a1, a2, a3 = _philox10(np.uint64(g_lo + t), g_hi, ks)
+        b0, b1, b2, b3 = _philox10(np.uint64(g_lo + h + t), g_hi, ks)
         _store_words(noise, t, a0, a1, a2, a3)
         _store_words(noise, h + t, b0, b1, b2, b3)
     for t in range(2 * h, m):
-        c0, c1, c2, c3 = _philox10(np.uint64(g0 + t), ks)
+        c0, c1, c2, c3 = _philox10(np.uint64(g_lo + t), g_hi, ks)
         _store_words(noise, t, c0, c1, c2, c3)
 
 
@@ -167,14 +168,16 @@ def _stochastic_kernel(out, xu, ks, offset):
     n = xu.size
     g_first = offset >> 3
     g_end = (offset + n + 7) >> 3
-    n_blocks = (g_end - g_first + BLOCK_GROUPS - 1) // BLOCK_GROUPS
+    b_first = g_first // BLOCK_GROUPS  # blocks are aligned in group space, so none straddles a 2**32 boundary
+    n_blocks = (g_end + BLOCK_GROUPS - 1) // BLOCK_GROUPS - b_first
     for b in prange(n_blocks):
         words = np.empty(4 * BLOCK_GROUPS, np.uint32)
-        g0 = g_first + b * BLOCK_GROUPS
-        g1 = min(g0 + BLOCK_GROUPS, g_end)
-        _philox_block(words, g0, g1 - g0, ks)
+        g_block = (b_first + b) * BLOCK_GROUPS
+        g0 = max(g_block, g_first)
+        g1 = min(g_block + BLOCK_GROUPS, g_end)
+        _philox_block(words, np.uint64(g0 & 0xFFFFFFFF), np.uint64(g0 >> 32), g1 - g0, ks)
         noise = words.view(np.uint16)  # element 8*g0 + k of the global index uses noise[k]
-        lo = max(8 * g0, offset)  # global index range of this block that lies in the tensor
+        lo = max(8 * g0, offset)  # the global indices of this block that lie in the tensor
         hi = min(8 * g1, offset + n)
         _round_block(out[lo - offset : hi - offset], xu[lo - offset : hi - offset], noise[lo - 8 * g0 : hi - 8 * g0])
 

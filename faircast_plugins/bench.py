@@ -33,7 +33,8 @@ class Case:
     numel: int  # elements one call touches
     scale: float  # numel of the headline size / numel timed (1 unless extrapolated)
     bytes_per_element: int
-    times: List[float] = field(default_factory=list)  # seconds, already scaled to the headline size
+    times: List[float] = field(default_factory=list)  # wall seconds, already scaled to the headline size
+    cpu_times: List[float] = field(default_factory=list)  # CPU seconds of all this process's threads, scaled
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +45,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device of the tensors (default: cuda when available, else cpu)")
     parser.add_argument("--backends", default=None,
-                        help="comma-separated backends to time (default: every one available on the device)")
+                        help="comma-separated backends to time, 'torch' being the reference (default: all available on the device)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default {','.join(MODES)})")
 
 
@@ -77,10 +78,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 
     def timed(fn):
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         sync()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
 
     return timed
 
@@ -97,7 +98,7 @@ def _cases(args, device: torch.device, backends: List[str], modes: List[str]) ->
         Case("out.copy_(x), preallocated", lambda: out.copy_(x), n, 1.0, 6),
     ]
     checks = []
-    for backend in backends + ["torch"]:
+    for backend in backends:
         ref = backend == "torch"
         xb = x_ref if ref else x
         for mode in modes:
@@ -132,11 +133,13 @@ def _fmt_row(case: Case, base: Case, n: int) -> str:
     gbps = case.bytes_per_element * n / best / 1e9
     ratio_best = min(base.times) / best
     paired = [b / t for b, t in zip(base.times, case.times)]
+    cpu = min(case.cpu_times)
     return (f"{case.label:<58} {best * 1e3:>9.1f} {med * 1e3:>9.1f} {gbps:>7.2f} {ratio_best:>8.2f}x "
-            f"{statistics.median(paired):>8.2f}x {min(paired):>6.2f}x")
+            f"{statistics.median(paired):>8.2f}x {min(paired):>6.2f}x {cpu * 1e3:>9.1f} {min(base.cpu_times) / cpu:>6.2f}x")
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     device = torch.device(args.device)
     if args.numel < 1 or args.ref_numel < 1 or args.reps < 1:
         raise SystemExit("faircast bench: --numel, --ref-numel and --reps must be positive")
@@ -150,7 +153,9 @@ def run_bench(args: argparse.Namespace) -> int:
         missing = [b for b in wanted if b != "torch" and b not in backends]
         if missing:
             raise SystemExit(f"faircast bench: backend(s) {missing} not available on {device} (here: {backends})")
-        backends = [b for b in wanted if b != "torch"]
+        backends = [b for b in backends if b in wanted] + (["torch"] if "torch" in wanted else [])
+    else:
+        backends = backends + ["torch"]
 
     threads = f"torch threads {torch.get_num_threads()}"
     print(f"faircast bench  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  device {device}: "
@@ -162,8 +167,8 @@ def run_bench(args: argparse.Namespace) -> int:
     timed = _timer(device)
     print("warm-up (the first call of a numba kernel compiles it once per machine; cached after):", flush=True)
     for case in cases:
-        t = timed(case.run)
-        print(f"  {case.label:<58} {t * 1e3:9.1f} ms", flush=True)
+        wall, _ = timed(case.run)
+        print(f"  {case.label:<58} {wall * 1e3:9.1f} ms", flush=True)
     if "cpu" in backends:
         import numba
 
@@ -172,16 +177,20 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"check: {line}", flush=True)
     for rep in range(args.reps):
         for case in cases:
-            case.times.append(timed(case.run) * case.scale)
+            wall, cpu = timed(case.run)
+            case.times.append(wall * case.scale)
+            case.cpu_times.append(cpu * case.scale)
         print(f"  repetition {rep + 1}/{args.reps} done", flush=True)
 
     base = cases[0]
     print(f"\n{'case (' + format(args.numel, ',') + ' elements)':<58} {'ms min':>9} {'ms med':>9} {'GB/s':>7} "
-          f"{'ratio':>9} {'ratio':>9} {'ratio':>7}")
-    print(f"{'':<58} {'':>9} {'':>9} {'(min)':>7} {'(min t)':>9} {'(med)':>9} {'(min)':>7}")
+          f"{'ratio':>9} {'ratio':>9} {'ratio':>7} {'CPU ms':>9} {'ratio':>7}")
+    print(f"{'':<58} {'':>9} {'':>9} {'(min)':>7} {'(min t)':>9} {'(med)':>9} {'(min)':>7} {'(min)':>9} {'(CPU)':>7}")
     for case in cases:
         print(_fmt_row(case, base, args.numel))
-    print("GB/s: 6 B/element (4 read + 2 written), 14 for error_feedback; ratio: throughput / that of "
-          ".to(torch.bfloat16) - from the best times, then the median and minimum of the per-repetition ratios.")
-    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    print("GB/s: 6 B/element (4 read + 2 written), 14 for error_feedback. ratio: throughput / that of "
+          ".to(torch.bfloat16), from the best wall times, then the median and minimum of the per-repetition ratios.\n"
+          "CPU ms: CPU time of all threads of this process (insensitive to other processes' load); ratio (CPU) "
+          "compares it with .to(torch.bfloat16)'s.")
+    print(f"load average at end {os.getloadavg()[0]:.1f}; bench took {time.perf_counter() - started:.0f} s")
     return 0 if all("MISMATCH" not in c for c in checks) else 1

@@ -240,30 +240,30 @@ def interpreter_rows(groups: Sequence[int]) -> int:
     return best
 
 
-def _aligned(item) -> bool:
-    ptrs = [item.x.data_ptr(), item.out.data_ptr()] + ([item.residual.data_ptr()] if item.residual is not None else [])
-    return item.offset % 8 == 0 and item.x.numel() % 8 == 0 and all(p % 16 == 0 for p in ptrs)
-
-
-def _check_item(item, mode: str, device: torch.device) -> None:
-    x, out, res = item.x, item.out, item.residual
+def _table_row(item, ef: bool, device: torch.device) -> list:
+    """Validate one item (raw pointers go to the kernel, so nothing is left to chance) and return its table row."""
+    x, out, res, key, offset = item.x, item.out, item.residual, item.key, item.offset
     if x.dtype != torch.float32:
         raise TypeError(f"Fair Cast needs fp32 masters, got {x.dtype}")
     if out.dtype != torch.bfloat16:
         raise TypeError(f"Fair Cast writes bf16, got an out tensor of {out.dtype}")
-    if not (x.is_contiguous() and out.is_contiguous()) or out.numel() != x.numel():
+    n = x.numel()
+    if out.numel() != n or not (x.is_contiguous() and out.is_contiguous()):
         raise ValueError("x and out must be contiguous with the same number of elements")
     if x.device != device or out.device != device:
         raise ValueError(f"all tensors of one Triton launch must be on {device}")
-    if mode == "error_feedback":
-        if res is None or res.dtype != torch.float32 or res.numel() != x.numel() or not res.is_contiguous() \
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**64:
+        raise ValueError(f"key must be an int in [0, 2**64), got {key!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + n > 2**63:
+        raise ValueError(f"offset must be an int in [0, 2**63 - numel], got {offset!r}")
+    x_ptr, out_ptr, res_ptr = x.data_ptr(), out.data_ptr(), 0
+    if ef:
+        if res is None or res.dtype != torch.float32 or res.numel() != n or not res.is_contiguous() \
                 or res.device != device:
             raise ValueError("error_feedback needs a contiguous fp32 residual shaped like x on the same device")
-    if isinstance(item.key, bool) or not isinstance(item.key, int) or not 0 <= item.key < 2**64:
-        raise ValueError(f"key must be an int in [0, 2**64), got {item.key!r}")
-    if isinstance(item.offset, bool) or not isinstance(item.offset, int) or item.offset < 0 \
-            or item.offset + x.numel() > 2**63:
-        raise ValueError(f"offset must be an int in [0, 2**63 - numel], got {item.offset!r}")
+        res_ptr = res.data_ptr()
+    aligned = offset % 8 == 0 and n % 8 == 0 and (x_ptr | out_ptr | res_ptr) % 16 == 0
+    return [x_ptr, out_ptr, res_ptr, n, offset, key & M32, key >> 32, int(aligned)]
 
 
 def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_warps: Optional[int] = None) -> None:
@@ -279,28 +279,24 @@ def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_war
         return
     device = items[0].x.device
     _check_device(device)
-    for item in items:
-        _check_item(item, mode, device)
-    groups = [_groups(item.offset, item.x.numel()) for item in items]
+    ef = mode == "error_feedback"
+    table = [_table_row(item, ef, device) for item in items]
+    groups = [_groups(row[4], row[3]) for row in table]
     if rows is None:
-        rows = interpreter_rows(groups) if interpreting() else DEFAULT_ROWS
+        rows = interpreter_rows(groups) if _INTERPRETED else DEFAULT_ROWS
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows!r}")
-
-    table, starts, total = [], [], 0
-    for item, g in zip(items, groups):
-        residual_ptr = item.residual.data_ptr() if mode == "error_feedback" else 0
-        table.append([item.x.data_ptr(), item.out.data_ptr(), residual_ptr, item.x.numel(), item.offset,
-                      item.key & M32, item.key >> 32, int(_aligned(item))])
+    starts, total = [], 0
+    for g in groups:
         starts.append(total)
         total += -(-g // rows)
     if total > MAX_GRID:
         raise ValueError(f"{total} programs exceed the grid limit; pass a larger rows=")
     steps = max(1, (len(items) - 1).bit_length())
-    starts += [2**62] * ((1 << steps) + 1 - len(starts))  # padding: the search may probe up to index 2**steps
-    table_t = torch.tensor(table, dtype=torch.int64).to(device)
-    starts_t = torch.tensor(starts, dtype=torch.int64).to(device)
+    starts += [2**62] * ((1 << steps) - len(starts))  # padding: the search probes indices up to 2**steps - 1
+    # One host-to-device copy: the padded starts, then the table rows.
+    meta = torch.tensor(starts + [v for row in table for v in row], dtype=torch.int64).to(device)
     _launch(
-        _cast_many_kernel, (total,), table_t, starts_t, ROWS=rows, SEARCH_STEPS=steps, MODE=MODE_IDS[mode], N_ROUNDS=N_ROUNDS,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        _cast_many_kernel, (total,), meta[len(starts):], meta[: len(starts)], ROWS=rows, SEARCH_STEPS=steps,
+        MODE=MODE_IDS[mode], N_ROUNDS=N_ROUNDS, num_warps=num_warps or DEFAULT_NUM_WARPS,
     )

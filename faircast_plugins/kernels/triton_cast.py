@@ -21,7 +21,7 @@ Under ``TRITON_INTERPRET=1`` (set before triton is imported) the same kernel run
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -266,17 +266,18 @@ def _table_row(item, ef: bool, device: torch.device) -> list:
     return [x_ptr, out_ptr, res_ptr, n, offset, key & M32, key >> 32, int(aligned)]
 
 
-def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_warps: Optional[int] = None) -> None:
-    """Cast every :class:`faircast_plugins.cast.CastItem` (flat fp32 ``x`` -> flat bf16 ``out``) in ONE launch.
+def prepare(items: Sequence, mode: str, *, rows: Optional[int] = None,
+            num_warps: Optional[int] = None) -> Callable[[], None]:
+    """Validate ``items``, put their launch table on the device, and return a function that runs the ONE launch.
 
-    ``mode`` is ``"stochastic"``, ``"nearest"`` or ``"error_feedback"`` (which updates each ``residual`` in place).
-    ``rows`` is the tile height (a power of two; a tile is ``rows * 8`` elements); it changes speed, never bits.
+    The returned function keeps the items' tensors alive and may be called again (for timing the kernel alone);
+    :func:`cast_many` is ``prepare(...)()``.
     """
     if mode not in MODE_IDS:
         raise ValueError(f"unknown Fair Cast mode {mode!r}; expected one of {', '.join(MODE_IDS)}")
     items = [item for item in items if item.x.numel()]
     if not items:
-        return
+        return lambda: None
     device = items[0].x.device
     _check_device(device)
     ef = mode == "error_feedback"
@@ -294,9 +295,28 @@ def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_war
         raise ValueError(f"{total} programs exceed the grid limit; pass a larger rows=")
     steps = max(1, (len(items) - 1).bit_length())
     starts += [2**62] * ((1 << steps) - len(starts))  # padding: the search probes indices up to 2**steps - 1
-    # One host-to-device copy: the padded starts, then the table rows.
-    meta = torch.tensor(starts + [v for row in table for v in row], dtype=torch.int64).to(device)
-    _launch(
-        _cast_many_kernel, (total,), meta[len(starts):], meta[: len(starts)], ROWS=rows, SEARCH_STEPS=steps,
-        MODE=MODE_IDS[mode], N_ROUNDS=N_ROUNDS, num_warps=num_warps or DEFAULT_NUM_WARPS,
-    )
+    # One host-to-device copy of the padded starts and the table rows; pinned and asynchronous on CUDA, so the
+    # host does not wait for the device (torch's pinned-memory cache keeps the buffer until the copy is done).
+    values = starts + [v for row in table for v in row]
+    if device.type == "cuda":
+        meta = torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    else:
+        meta = torch.tensor(values, dtype=torch.int64)
+    kernel = _cast_many_kernel
+    meta_args = dict(ROWS=rows, SEARCH_STEPS=steps, MODE=MODE_IDS[mode], N_ROUNDS=N_ROUNDS,
+                     num_warps=num_warps or DEFAULT_NUM_WARPS)
+
+    def launch() -> None:
+        _launch(kernel, (total,), meta[len(starts):], meta[: len(starts)], **meta_args)
+
+    launch.items = items  # keeps alive the tensors whose raw pointers are in the table
+    return launch
+
+
+def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_warps: Optional[int] = None) -> None:
+    """Cast every :class:`faircast_plugins.cast.CastItem` (flat fp32 ``x`` -> flat bf16 ``out``) in ONE launch.
+
+    ``mode`` is ``"stochastic"``, ``"nearest"`` or ``"error_feedback"`` (which updates each ``residual`` in place).
+    ``rows`` is the tile height (a power of two; a tile is ``rows * 8`` elements); it changes speed, never bits.
+    """
+    prepare(items, mode, rows=rows, num_warps=num_warps)()

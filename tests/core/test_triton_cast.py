@@ -250,6 +250,18 @@ def test_multi_tensor_launch_equals_per_tensor(mode, monkeypatch):
             assert torch.equal(_bits(it.residual), r)
 
 
+def test_many_tensors_binary_search():
+    """37 tensors (the in-kernel search over the launch table takes 6 steps), sizes 1..37, odd offsets."""
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, generator=gen).to(DEVICE) for n in range(1, 38)]
+    offsets = [int(v) for v in torch.randint(0, 2**40, (37,), generator=gen)]
+    keys = [derive_key(3, 5, f"layer.{i}.weight") for i in range(37)]
+    items = [CastItem(torch.empty_like(x, dtype=torch.bfloat16), x, k, o) for x, k, o in zip(xs, keys, offsets)]
+    tc.cast_many(items, "stochastic")
+    for it in items:
+        assert torch.equal(_bits(it.out), _bits(_ref(it.x, key=it.key, offset=it.offset)))
+
+
 def test_error_feedback_over_steps():
     """Five EF exports of a slowly moving master: identical q and residual at every step, and the residual works."""
     gen = torch.Generator().manual_seed(6)

@@ -334,6 +334,11 @@ def test_compiles_for_sm90_with_vectorized_fast_path():
                             constexprs={"ROWS": tc.DEFAULT_ROWS, "SEARCH_STEPS": 9, "MODE": mode, "N_ROUNDS": 10})
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
             print(mode, ptx.count("ld.global.v4"), ptx.count("st.global.v4"))
+        # The KAT helper, with a key half of 1 (which triton's launcher specializes into a constexpr).
+        sig = {"counters_ptr": "*i64", "out_ptr": "*i64", "n": "i32", "k0": "constexpr", "k1": "i64",
+               "BLOCK": "constexpr", "N_ROUNDS": "constexpr"}
+        src = ASTSource(fn=tc._philox_kernel, signature=sig, constexprs={"k0": 1, "BLOCK": 1024, "N_ROUNDS": 10})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"

@@ -156,7 +156,7 @@ def _cast_many_kernel(table_ptr, starts_ptr, ROWS: tl.constexpr, SEARCH_STEPS: t
 
 
 @triton.jit
-def _philox_kernel(counters_ptr, out_ptr, n, k0, k1, BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
+def _philox_kernel(counters_ptr, key_ptr, out_ptr, n, BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
     """Philox of ``n`` counters (int64 [n, 4] holding uint32 words) into int64 [n, 4]: for known-answer tests."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -164,9 +164,9 @@ def _philox_kernel(counters_ptr, out_ptr, n, k0, k1, BLOCK: tl.constexpr, N_ROUN
     c1 = tl.load(counters_ptr + offs * 4 + 1, mask=mask, other=0).to(tl.uint32)
     c2 = tl.load(counters_ptr + offs * 4 + 2, mask=mask, other=0).to(tl.uint32)
     c3 = tl.load(counters_ptr + offs * 4 + 3, mask=mask, other=0).to(tl.uint32)
-    # to_tensor: triton's launcher specializes an int argument equal to 1 into a constexpr
-    r0, r1, r2, r3 = philox4x32(c0, c1, c2, c3, tl.to_tensor(k0).to(tl.uint32), tl.to_tensor(k1).to(tl.uint32),
-                                N_ROUNDS)
+    k0 = tl.load(key_ptr + 0).to(tl.uint32)
+    k1 = tl.load(key_ptr + 1).to(tl.uint32)
+    r0, r1, r2, r3 = philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS)
     tl.store(out_ptr + offs * 4 + 0, r0.to(tl.int64), mask=mask)
     tl.store(out_ptr + offs * 4 + 1, r1.to(tl.int64), mask=mask)
     tl.store(out_ptr + offs * 4 + 2, r2.to(tl.int64), mask=mask)
@@ -226,8 +226,8 @@ def philox4x32_10(counters: torch.Tensor, key: int, n_rounds: int = N_ROUNDS) ->
     n = counters.shape[0]
     block = 1024
     if n:
-        _launch(_philox_kernel, (triton.cdiv(n, block),), counters, out, n, key & M32, key >> 32, BLOCK=block,
-                N_ROUNDS=n_rounds)
+        key_t = torch.tensor([key & M32, key >> 32], dtype=torch.int64).to(counters.device)
+        _launch(_philox_kernel, (triton.cdiv(n, block),), counters, key_t, out, n, BLOCK=block, N_ROUNDS=n_rounds)
     return out
 
 

@@ -193,13 +193,15 @@ def interpreting() -> bool:
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch on the device of the first tensor argument (triton itself launches on the current CUDA device)."""
     if _INTERPRETED:  # the interpreter evaluates fp32 NaN/inf arithmetic in numpy, which warns; the bits are right
         import numpy as np
 
         with np.errstate(all="ignore"):
             kernel[grid](*args, **kwargs)
     else:
-        kernel[grid](*args, **kwargs)
+        with torch.cuda.device(args[0].device):
+            kernel[grid](*args, **kwargs)
 
 
 def _check_device(device: torch.device) -> None:

@@ -41,7 +41,9 @@ import torch
 __all__ = ["cast_many", "BLOCK_GROUPS"]
 
 # Philox groups per parallel block: 2,048 elements, so x (8 KB), the noise (4 KB) and out (4 KB) stay in L1.
+# A power of two, so an aligned block never straddles a 2**32 boundary of the group counter.
 BLOCK_GROUPS = 256
+assert BLOCK_GROUPS & (BLOCK_GROUPS - 1) == 0
 
 _M32 = np.uint64(0xFFFFFFFF)
 _M0 = np.uint64(0xD2511F53)
@@ -55,7 +57,7 @@ _MAG = np.uint32(0x7FFFFFFF)
 _SIGN16 = np.uint32(0x8000)
 _INF = np.uint32(0x7F800000)
 _BF16_MAX = np.uint32(0x7F7F)
-_FAST_LIMIT = np.uint32(0x7F7F0000)  # below this |u| the two's-complement add needs no saturation
+_FAST_LIMIT = np.uint32(0x7F7F0000)  # up to this |u| the two's-complement add needs no saturation
 _QUIET = np.uint32(0x0040)
 _ZERO32 = np.uint32(0)
 _ONE32 = np.uint32(1)
@@ -167,19 +169,21 @@ def _round_block(out, xu, noise):
 def _stochastic_kernel(out, xu, ks, offset):
     n = xu.size
     g_first = offset >> 3
-    g_end = (offset + n + 7) >> 3
+    g_end = ((offset + n - 1) >> 3) + 1  # offset + n may be 2**63 exactly: no "+ 7"
     b_first = g_first // BLOCK_GROUPS  # blocks are aligned in group space, so none straddles a 2**32 boundary
-    n_blocks = (g_end + BLOCK_GROUPS - 1) // BLOCK_GROUPS - b_first
+    n_blocks = (g_end - 1) // BLOCK_GROUPS + 1 - b_first
     for b in prange(n_blocks):
         words = np.empty(4 * BLOCK_GROUPS, np.uint32)
         g_block = (b_first + b) * BLOCK_GROUPS
         g0 = max(g_block, g_first)
         g1 = min(g_block + BLOCK_GROUPS, g_end)
         _philox_block(words, np.uint64(g0 & 0xFFFFFFFF), np.uint64(g0 >> 32), g1 - g0, ks)
-        noise = words.view(np.uint16)  # element 8*g0 + k of the global index uses noise[k]
-        lo = max(8 * g0, offset)  # the global indices of this block that lie in the tensor
-        hi = min(8 * g1, offset + n)
-        _round_block(out[lo - offset : hi - offset], xu[lo - offset : hi - offset], noise[lo - 8 * g0 : hi - 8 * g0])
+        noise = words.view(np.uint16)  # global element 8*g0 + k uses noise[k]
+        # this block's elements as local indices [lo, hi); differences first, as 8*g1 alone may not fit in int64
+        head = 8 * g0 - offset  # in [-7, n)
+        lo = max(head, 0)
+        hi = min(8 * (g1 - g0) + head, n)
+        _round_block(out[lo:hi], xu[lo:hi], noise[lo - head : hi - head])
 
 
 @njit(parallel=True, cache=True, nogil=True)

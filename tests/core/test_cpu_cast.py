@@ -189,6 +189,13 @@ def test_block_across_the_2_32_group_boundary():
         assert_same(cpu(x, offset=offset), ref(x, offset=offset))
 
 
+@pytest.mark.parametrize("n", [1, 8, 100, BLOCK + 3])
+def test_last_indices_below_2_63(n):
+    x = mixed(n // 7 + 1, seed=n)[:n]
+    offset = 2**63 - n  # the largest global index the API accepts is 2**63 - 1
+    assert_same(cpu(x, offset=offset), ref(x, offset=offset))
+
+
 def test_fast_and_full_paths_agree_per_block():
     # ordinary weights take the add-and-shift path; one NaN or near-max value sends only its block down the full path
     g = torch.Generator().manual_seed(5)

@@ -114,9 +114,16 @@ def _cases(args, device: torch.device, backends: List[str], modes: List[str]) ->
     return cases, checks
 
 
+# fp32 bit patterns mixed into the checked slice: NaNs with payloads, infinities, fp32 max, subnormals, a tie
+_SPECIALS = [0x7F800001, -1, 0x7F800000, -0x800000, 0x7F7FFFFF, 0x7F7F0001, 1, -0x7FFFFFFF, 0x3F808000]
+
+
 def _check(backend: str, mode: str, x: torch.Tensor, key: int) -> str:
-    """Bit-identity of one backend with the torch reference on the reference-sized slice (odd offset)."""
+    """Bit-identity of one backend with the torch reference on the reference-sized slice (odd offset, specials)."""
     offset = 2**32 + 3
+    x = x.clone()
+    specials = torch.tensor(_SPECIALS, dtype=torch.int32, device=x.device).view(torch.float32)
+    x[: x.numel() // 4096 * 4096].view(-1, 4096)[:, :len(_SPECIALS)] = specials[: min(len(_SPECIALS), x.numel())]
     r_fast = torch.full_like(x, 1e-6) if mode == "error_feedback" else None
     r_ref = None if r_fast is None else r_fast.clone().cpu()
     got = fair_cast(x, key=key, offset=offset if mode == "stochastic" else 0, mode=mode, residual=r_fast, backend=backend)

@@ -165,25 +165,53 @@ def _round_block(out, xu, noise):
 # ---------------------------------------------------------------------------------------------- kernels
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _stochastic_kernel(out, xu, ks, offset):
+@njit(inline="always")
+def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words):
+    """Cast the elements of the aligned block of groups ``g_block .. g_block+BLOCK_GROUPS-1`` that lie in ``xu``."""
     n = xu.size
+    g0 = max(g_block, g_first)
+    g1 = min(g_block + BLOCK_GROUPS, g_end)
+    _philox_block(words, np.uint64(g0 & 0xFFFFFFFF), np.uint64(g0 >> 32), g1 - g0, ks)
+    noise = words.view(np.uint16)  # global element 8*g0 + k uses noise[k]
+    # this block's elements as local indices [lo, hi); differences first, as 8*g1 alone may not fit in int64
+    head = 8 * g0 - offset  # in [-7, n)
+    lo = max(head, 0)
+    hi = min(8 * (g1 - g0) + head, n)
+    _round_block(out[lo:hi], xu[lo:hi], noise[lo - head : hi - head])
+
+
+@njit(inline="always")
+def _block_range(n, offset):
     g_first = offset >> 3
     g_end = ((offset + n - 1) >> 3) + 1  # offset + n may be 2**63 exactly: no "+ 7"
     b_first = g_first // BLOCK_GROUPS  # blocks are aligned in group space, so none straddles a 2**32 boundary
-    n_blocks = (g_end - 1) // BLOCK_GROUPS + 1 - b_first
+    return g_first, g_end, b_first, (g_end - 1) // BLOCK_GROUPS + 1 - b_first
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _stochastic_kernel(out, xu, ks, offset):
+    g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
     for b in prange(n_blocks):
-        words = np.empty(4 * BLOCK_GROUPS, np.uint32)
-        g_block = (b_first + b) * BLOCK_GROUPS
-        g0 = max(g_block, g_first)
-        g1 = min(g_block + BLOCK_GROUPS, g_end)
-        _philox_block(words, np.uint64(g0 & 0xFFFFFFFF), np.uint64(g0 >> 32), g1 - g0, ks)
-        noise = words.view(np.uint16)  # global element 8*g0 + k uses noise[k]
-        # this block's elements as local indices [lo, hi); differences first, as 8*g1 alone may not fit in int64
-        head = 8 * g0 - offset  # in [-7, n)
-        lo = max(head, 0)
-        hi = min(8 * (g1 - g0) + head, n)
-        _round_block(out[lo:hi], xu[lo:hi], noise[lo - head : hi - head])
+        words = np.empty(4 * BLOCK_GROUPS, np.uint32)  # hoisted: one buffer per thread
+        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words)
+
+
+@njit(cache=True, nogil=True)
+def _stochastic_kernel_serial(out, xu, ks, offset):
+    g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
+    words = np.empty(4 * BLOCK_GROUPS, np.uint32)
+    for b in range(n_blocks):
+        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words)
+
+
+@njit(inline="always")
+def _error_feedback_element(out, x, residual, i):
+    s = x[i] + residual[i]  # fp32 + fp32, IEEE round-to-nearest (fastmath is off)
+    u = np.float32(s).view(np.uint32)
+    q = _nearest_bits(u)
+    e = s - np.uint32(q << _U16).view(np.float32)  # exact
+    residual[i] = e if (u & _MAG) < _INF else np.float32(0.0)
+    out[i] = np.uint16(q)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -192,15 +220,22 @@ def _nearest_kernel(out, xu):
         out[i] = np.uint16(_nearest_bits(xu[i]))
 
 
+@njit(cache=True, nogil=True)
+def _nearest_kernel_serial(out, xu):
+    for i in range(xu.size):
+        out[i] = np.uint16(_nearest_bits(xu[i]))
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _error_feedback_kernel(out, x, residual):
     for i in prange(x.size):
-        s = x[i] + residual[i]  # fp32 + fp32, IEEE round-to-nearest (fastmath is off)
-        u = np.float32(s).view(np.uint32)
-        q = _nearest_bits(u)
-        e = s - np.uint32(q << _U16).view(np.float32)  # exact
-        residual[i] = e if (u & _MAG) < _INF else np.float32(0.0)
-        out[i] = np.uint16(q)
+        _error_feedback_element(out, x, residual, i)
+
+
+@njit(cache=True, nogil=True)
+def _error_feedback_kernel_serial(out, x, residual):
+    for i in range(x.size):
+        _error_feedback_element(out, x, residual, i)
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -222,6 +257,16 @@ def _numpy(t: torch.Tensor, dtype: torch.dtype, np_dtype) -> np.ndarray:
 
 _LOCK = threading.Lock()
 
+# Below this many elements a tensor is cast on the calling thread: waking the worker threads costs more than it
+# saves (microseconds on an idle machine, milliseconds on a busy one), and a model has hundreds of small tensors.
+PARALLEL_MIN_NUMEL = 1 << 18
+
+_KERNELS = {  # mode -> (serial, parallel)
+    "stochastic": (_stochastic_kernel_serial, _stochastic_kernel),
+    "nearest": (_nearest_kernel_serial, _nearest_kernel),
+    "error_feedback": (_error_feedback_kernel_serial, _error_feedback_kernel),
+}
+
 
 def cast_many(items: Sequence, mode: str) -> None:
     """Cast every :class:`faircast_plugins.cast.CastItem` in place (``item.out``, and ``item.residual`` for EF).
@@ -229,20 +274,20 @@ def cast_many(items: Sequence, mode: str) -> None:
     Bit-identical to :mod:`faircast_plugins.torch_ref` for every input. Uses at most
     ``torch.get_num_threads()`` threads, like the torch ops around it.
     """
-    if mode not in ("stochastic", "nearest", "error_feedback"):
+    if mode not in _KERNELS:
         raise ValueError(f"unknown Fair Cast mode {mode!r}")
     with _LOCK:
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         for item in items:
             if item.x.dtype != torch.float32 or item.out.dtype != torch.bfloat16 or item.out.numel() != item.x.numel():
                 raise TypeError("the cpu backend casts fp32 x into a bf16 out of the same size")
+            kernel = _KERNELS[mode][item.x.numel() >= PARALLEL_MIN_NUMEL]
             out = _numpy(item.out, torch.int16, np.uint16)
             if mode == "stochastic":
-                _stochastic_kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset)
+                kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset)
             elif mode == "nearest":
-                _nearest_kernel(out, _numpy(item.x, torch.int32, np.uint32))
+                kernel(out, _numpy(item.x, torch.int32, np.uint32))
             else:
                 if item.residual is None or item.residual.dtype != torch.float32 or item.residual.numel() != item.x.numel():
                     raise ValueError("error_feedback needs an fp32 residual the size of x")
-                _error_feedback_kernel(out, _numpy(item.x, torch.float32, np.float32),
-                                       _numpy(item.residual, torch.float32, np.float32))
+                kernel(out, _numpy(item.x, torch.float32, np.float32), _numpy(item.residual, torch.float32, np.float32))

@@ -20,6 +20,13 @@ OFFSETS = [0, 1, 5, 7, 8, 13, 2**31 - 3, 2**32 - 5, 2**32 + 3, 8 * 2**32 - 21, 2
 BLOCK = 8 * cpu_cast.BLOCK_GROUPS  # elements per parallel block of the kernel
 
 
+@pytest.fixture(autouse=True, params=["serial", "parallel"])
+def kernel_path(request, monkeypatch):
+    """Run every test through both kernels: the calling-thread one (small tensors) and the multithreaded one."""
+    monkeypatch.setattr(cpu_cast, "PARALLEL_MIN_NUMEL", 2**62 if request.param == "serial" else 0)
+    return request.param
+
+
 def bits(t):
     return t.reshape(-1).view(torch.int16)
 
@@ -64,8 +71,21 @@ def test_auto_picks_the_numba_kernel_on_cpu():
     assert resolve_backend("auto", torch.device("cpu")) == "cpu"
 
 
+def test_each_path_runs_its_own_kernel(kernel_path, monkeypatch):
+    ran = []
+    for mode, pair in list(cpu_cast._KERNELS.items()):
+        spies = tuple((lambda k, name: (lambda *a: (ran.append(name), k(*a))))(k, f"{mode}/{i}") for i, k in enumerate(pair))
+        monkeypatch.setitem(cpu_cast._KERNELS, mode, spies)
+    x = torch.randn(100)
+    cpu(x)
+    cpu(x, mode="nearest")
+    cpu(x, mode="error_feedback", residual=torch.zeros(100))
+    i = 1 if kernel_path == "parallel" else 0
+    assert ran == [f"stochastic/{i}", f"nearest/{i}", f"error_feedback/{i}"]
+
+
 def test_kernels_are_disk_cached_and_not_fastmath():
-    for kernel in (cpu_cast._stochastic_kernel, cpu_cast._nearest_kernel, cpu_cast._error_feedback_kernel):
+    for kernel in (k for pair in cpu_cast._KERNELS.values() for k in pair):
         assert kernel.targetoptions.get("cache") is not False
         assert type(kernel._cache).__name__ != "NullCache", "cache=True was dropped"
         assert not kernel.targetoptions.get("fastmath"), "fastmath would break EF bit-identity"

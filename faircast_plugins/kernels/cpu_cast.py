@@ -18,9 +18,10 @@ aligned to the *global* index, so any offset works), one block per parallel iter
    (saturation, inf, quiet NaN) runs for that block.
 
 ``nearest`` and ``error_feedback`` are element-wise integer rules (plus IEEE fp32 add/sub for EF, fastmath off,
-so there is no contraction and no reassociation). All kernels are compiled lazily on first use and cached on
-disk (``cache=True``), and release the GIL; one lock serializes calls because numba's fallback threading layer
-is not reentrant.
+so there is no contraction and no reassociation). Each mode has a multithreaded kernel and a serial twin for
+tensors below ``PARALLEL_MIN_NUMEL``. All kernels are compiled lazily on first use and cached on disk
+(``cache=True``), and release the GIL; one lock serializes calls because numba's fallback threading layer is not
+reentrant.
 """
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-openrlhf
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
+# tests-core only: what pip resolves next to torch 2.13.0 (the framework sessions pin their own).
+TRANSFORMERS_CORE = "transformers==5.24.0"
 # Allocator settings that keep CPU benchmarks and tests from paying first-touch page faults on every buffer.
 MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to CPU torch;
@@ -39,6 +41,7 @@ def _core_install(session: nox.Session) -> None:
 def tests_core(session: nox.Session) -> None:
     """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI."""
     _core_install(session)
+    session.install(TRANSFORMERS_CORE)  # real HF checkpoints for the served-copy export tests
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
 
 

@@ -254,6 +254,7 @@ class _Plan:
     ema_decay: float
     state_digest: Optional[str]
     tied: Dict[str, str]  # tied name -> name of the tensor it is tied to (its canonical name)
+    device: torch.device = torch.device("cpu")
 
 
 def _make_caster(seed: Optional[int], version: Optional[int], mode: Optional[str], state: Optional[dict]) -> Tuple[FairCaster, Optional[str]]:
@@ -353,16 +354,29 @@ def _find_ties(ckpt: SafetensorsCheckpoint) -> Dict[str, str]:
     return ties
 
 
-def _plan(ckpt: SafetensorsCheckpoint, seed, version, mode, state: Optional[dict]) -> _Plan:
+def _device(device) -> torch.device:
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ExportError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"device {device!r} requested, but torch {torch.__version__} sees no CUDA device")
+    return dev
+
+
+def _plan(ckpt: SafetensorsCheckpoint, seed, version, mode, state: Optional[dict], device=None) -> _Plan:
     bad = sorted(f"{t.name} ({t.dtype})" for t in ckpt.tensors.values() if t.dtype != "F32" and t.dtype not in _COPIED)
     if bad:
         raise ExportError(
             f"{ckpt.path} holds tensors that are neither fp32 masters nor bf16/integer: {', '.join(bad[:5])}"
             f"{' ...' if len(bad) > 5 else ''}; faircast export casts fp32 checkpoints only"
         )
+    if not any(t.dtype == "F32" for t in ckpt.tensors.values()):
+        raise ExportError(f"{ckpt.path} holds no fp32 tensors, so there is nothing to cast: export reads the fp32 "
+                          f"master checkpoint (is this already a bf16 or served copy?)")
     caster, digest = _make_caster(seed, version, mode, state)
     plan = _Plan(caster, caster.config.seed, caster.version, caster.mode, caster.config.ema_decay if caster.config.enabled else 0.0,
-                 digest, _find_ties(ckpt))
+                 digest, _find_ties(ckpt), _device(device))
     if plan.mode == "error_feedback" or plan.ema_decay:
         _check_state_covers(ckpt, plan, [n for n in ckpt.names() if ckpt.tensors[n].dtype == "F32"])
     return plan
@@ -390,7 +404,7 @@ def _served(ckpt: SafetensorsCheckpoint, plan: _Plan, name: str) -> Tuple[torch.
     if info.dtype != "F32":
         return src, "copy", src
     tied = plan.tied.get(name)
-    q = plan.caster.cast(tied or name, src)
+    q = plan.caster.cast(tied or name, src.to(plan.device)).cpu()
     return q, (f"tie:{tied}" if tied else "cast"), src
 
 
@@ -405,6 +419,7 @@ def iter_served(
     version: Optional[int] = None,
     mode: Optional[str] = None,
     state: StateArg = None,
+    device: Union[None, str, torch.device] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(name, served tensor)`` for every tensor of an fp32 checkpoint, one at a time, without writing.
 
@@ -412,7 +427,7 @@ def iter_served(
     ``version``-th optimizer step; compare it with the engine's weights to check an adapter end to end.
     """
     with SafetensorsCheckpoint(checkpoint) as ckpt:
-        plan = _plan(ckpt, seed, version, mode, load_state(state))
+        plan = _plan(ckpt, seed, version, mode, load_state(state), device)
         for name in ckpt.names():
             yield name, _served(ckpt, plan, name)[0]
 
@@ -492,6 +507,7 @@ def export_served(
     state: StateArg = None,
     overwrite: bool = False,
     progress: Optional[Progress] = None,
+    device: Union[None, str, torch.device] = None,
 ) -> dict:
     """Write the served bf16 copy of the fp32 HF checkpoint ``checkpoint`` at weight ``version`` to ``out``.
 
@@ -499,6 +515,8 @@ def export_served(
     ``nearest`` gives the plain round-to-nearest copy). ``state`` (a ``faircast_state.pt`` path, a
     ``FairCaster.state_dict()`` or a caster) supplies them instead, and is required for ``error_feedback`` and
     EMA runs. Streams one tensor at a time; ``progress(done_bytes, total_bytes, name)`` is called after each.
+    ``device`` (default CPU) is where each tensor is cast, e.g. ``"cuda"`` for the Triton kernel; the bits
+    are the same on every device.
     Returns the manifest that was written.
     """
     from . import __version__
@@ -509,7 +527,7 @@ def export_served(
             raise ExportError("--out must differ from --checkpoint")
         if out.exists() and not overwrite:  # fail before any work
             raise ExportError(f"{out} already exists; choose another --out or pass --overwrite")
-        plan = _plan(ckpt, seed, version, mode, load_state(state))
+        plan = _plan(ckpt, seed, version, mode, load_state(state), device)
         by_file: Dict[str, List[str]] = {}
         for name in ckpt.names():
             by_file.setdefault(ckpt.tensors[name].file, []).append(name)
@@ -627,6 +645,7 @@ def verify_served(
     *,
     state: StateArg = None,
     progress: Optional[Progress] = None,
+    device: Union[None, str, torch.device] = None,
 ) -> VerifyReport:
     """Re-derive the served copy of ``checkpoint`` with the seed, version and mode in ``served``'s manifest and
     compare it bit for bit with ``served``. Stops at the first mismatching tensor and names it.
@@ -645,7 +664,7 @@ def verify_served(
         raise ExportError("the Fair Cast state given differs from the one the export was made with")
     with SafetensorsCheckpoint(checkpoint) as ckpt, SafetensorsCheckpoint(served) as out:
         plan = _plan(ckpt, manifest["seed"], manifest["version"], manifest["mode"],
-                     state_dict if manifest.get("state_sha256") else None)
+                     state_dict if manifest.get("state_sha256") else None, device)
         names = ckpt.names()
         expected_names, manifest_names, served_names = set(names), set(manifest["tensors"]), set(out.tensors)
         if not expected_names == manifest_names == served_names:
@@ -713,6 +732,7 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--state", help=f"Fair Cast state file ({STATE_FILE}); required for error_feedback and EMA runs. "
                                         f"Used by default when --seed/--version are omitted and the checkpoint has one")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--device", default="cpu", help="where to cast each tensor (cpu, cuda); same bits anywhere")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -729,7 +749,7 @@ def run_export(args) -> int:
     try:
         manifest = export_served(args.checkpoint, args.out, seed=args.seed, version=args.version, mode=args.mode,
                                  state=_default_state(args), overwrite=args.overwrite,
-                                 progress=_ProgressLine("export", args.quiet))
+                                 progress=_ProgressLine("export", args.quiet), device=args.device)
     except ExportError as e:
         print(f"faircast export: error: {e}", file=sys.stderr)
         return 2
@@ -743,12 +763,14 @@ def add_verify_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True, help="the fp32 checkpoint the served copy was exported from")
     parser.add_argument("--served", required=True, help="the served-copy directory written by faircast export")
     parser.add_argument("--state", help="the Fair Cast state used for the export (error_feedback / EMA runs)")
+    parser.add_argument("--device", default="cpu", help="where to re-derive each tensor (cpu, cuda)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def run_verify(args) -> int:
     try:
-        report = verify_served(args.checkpoint, args.served, state=args.state, progress=_ProgressLine("verify", args.quiet))
+        report = verify_served(args.checkpoint, args.served, state=args.state, progress=_ProgressLine("verify", args.quiet),
+                               device=args.device)
     except ExportError as e:
         print(f"faircast verify: error: {e}", file=sys.stderr)
         return 2

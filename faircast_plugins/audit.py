@@ -18,7 +18,9 @@ elements). Between two consecutive observed weight versions the tracker reports:
     ``|mean(sign(d) * (w - d))|`` over moved elements, where ``d`` is the fp32 update and ``w`` the update
     the served copy received (``q_now - q_prev``): the mean signed deviation of the written update along the
     update's direction. ``faircast/bias_rel`` divides it by ``mean(|d|)``: 1 means every update was lost,
-    0 means the written updates are unbiased.
+    0 means the written updates are unbiased. Under stochastic rounding one step's written update is noisy
+    (each element moves by 0 or a whole bf16 step), but the deviations telescope: summed over the steps
+    between two reports they stay bounded while the fp32 updates add up, so read it over tens of steps.
 
 Totals are plain sums (see :meth:`Audit.totals`) so adapters can all-reduce them across ranks before
 :func:`finalize`.

@@ -39,7 +39,7 @@ def _core_install(session: nox.Session) -> None:
 
 @nox.session(name="tests-core", python=PYTHON, tags=["tests"])
 def tests_core(session: nox.Session) -> None:
-    """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI."""
+    """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI, served-copy export."""
     _core_install(session)
     session.install(TRANSFORMERS_CORE)  # real HF checkpoints for the served-copy export tests
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})

@@ -377,6 +377,11 @@ def test_stateful_modes_export_from_the_saved_state(tmp_path, config, capsys):
         rne_differs += int((_bits(q) != _bits(dict(model.named_parameters())[name].detach().to(torch.bfloat16))).sum())
     assert rne_differs > 0  # negative control: the served copy is not round-to-nearest of the final master
     assert verify_served(ckpt, out).ok  # finds faircast_state.pt next to the checkpoint
+    # an adapter may pass its live caster instead of a file: same bits, and the caster is left as it was
+    before = caster.state_dict()["version"]
+    live = dict(iter_served(ckpt, state=caster))
+    assert all(torch.equal(_bits(live[n]), _bits(q)) for n, q in served_live.items())
+    assert caster.version == before == 3
     # without the state: error_feedback is refused; an EMA run's copy cannot be derived from the master alone
     if config.mode == "error_feedback":
         with pytest.raises(ExportError, match="pass the Fair Cast state"):

@@ -323,6 +323,8 @@ def _check_state_covers(ckpt: SafetensorsCheckpoint, plan: _Plan, cast_names: Li
 
 
 def _tie_word_embeddings(config: Mapping[str, Any]) -> bool:
+    if not config:  # no config.json: nothing says the weights are tied
+        return False
     tie = config.get("tie_word_embeddings")
     if tie is None and isinstance(config.get("text_config"), Mapping):
         tie = config["text_config"].get("tie_word_embeddings")

@@ -445,3 +445,17 @@ def test_cuda_export_equals_cpu_export(ckpts, tmp_path):
     for name in cpu:
         assert torch.equal(_bits(cpu[name]), _bits(cuda[name])), name
     assert verify_served(path, tmp_path / "cuda", device="cuda").ok
+
+
+def test_untied_head_is_cast_under_its_own_name(ckpts, tmp_path):
+    path, model = ckpts["sharded"]  # untied: lm_head.weight is its own parameter
+    served = dict(iter_served(path, seed=SEED, version=VERSION))
+    head = dict(model.named_parameters())["lm_head.weight"].detach()
+    assert torch.equal(_bits(served["lm_head.weight"]), _bits(fair_cast(head, key=derive_key(SEED, VERSION, "lm_head.weight"))))
+    # without config.json nothing says the head is tied: head and embedding are cast independently
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    embed = torch.randn(16, 8)
+    save_file({"lm_head.weight": embed.clone(), "model.embed_tokens.weight": embed}, str(bare / "model.safetensors"))
+    manifest = export_served(bare, tmp_path / "out", seed=SEED, version=VERSION)
+    assert manifest["tensors"]["lm_head.weight"]["action"] == "cast"

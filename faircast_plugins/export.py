@@ -91,16 +91,18 @@ def load_state(state: StateArg) -> Optional[dict]:
     if isinstance(state, FairCaster):
         return _to_cpu(state.state_dict())
     if isinstance(state, Mapping):
-        return _to_cpu(dict(state))
-    path = Path(state)
-    if not path.is_file():
-        raise ExportError(f"Fair Cast state file {path} does not exist")
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
-        raise ExportError(f"cannot read Fair Cast state {path}: {e}") from None
-    if not isinstance(loaded, dict) or "config" not in loaded or "version" not in loaded:
-        raise ExportError(f"{path} is not a Fair Cast state (FairCaster.state_dict() saved with torch.save)")
+        loaded, what = _to_cpu(dict(state)), "the state given"
+    else:
+        path = Path(state)
+        if not path.is_file():
+            raise ExportError(f"Fair Cast state file {path} does not exist")
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+            raise ExportError(f"cannot read Fair Cast state {path}: {e}") from None
+        what = str(path)
+    if not isinstance(loaded, dict) or not {"format", "config", "version", "ema", "error_feedback"} <= set(loaded):
+        raise ExportError(f"{what} is not a Fair Cast state (FairCaster.state_dict(), saved with torch.save)")
     return loaded
 
 

@@ -425,6 +425,14 @@ def test_sharded_error_feedback_state_is_refused(tmp_path):
     with pytest.raises(ExportError, match="is a shard .*full residuals"):
         export_served(ckpt, tmp_path / "out", state=ckpt / STATE_FILE)
     assert not (tmp_path / "out").exists()
+    torch.save({"version": 1}, ckpt / STATE_FILE)
+    with pytest.raises(ExportError, match="is not a Fair Cast state"):
+        export_served(ckpt, tmp_path / "out", state=ckpt / STATE_FILE)
+    with pytest.raises(ExportError, match="is not a Fair Cast state"):
+        export_served(ckpt, tmp_path / "out", state={"config": {}})
+    (ckpt / STATE_FILE).write_bytes(b"not a torch file")
+    with pytest.raises(ExportError, match="cannot read Fair Cast state"):
+        export_served(ckpt, tmp_path / "out", state=ckpt / STATE_FILE)
     os.remove(ckpt / STATE_FILE)
     with pytest.raises(ExportError, match="does not exist"):
         export_served(ckpt, tmp_path / "out", state=ckpt / STATE_FILE)

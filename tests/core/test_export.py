@@ -288,6 +288,11 @@ def test_missing_or_bad_manifest_is_a_clear_error(ckpts, tmp_path, capsys):
     (out / MANIFEST).write_text(json.dumps(broken))
     with pytest.raises(ExportError, match="'seed' must be int"):
         verify_served(path, out)
+    extra = json.loads(good)
+    extra["tensors"]["model.extra.weight"] = dict(extra["tensors"]["model.norm.weight"])
+    (out / MANIFEST).write_text(json.dumps(extra))
+    report = verify_served(path, out)
+    assert not report.ok and report.mismatch == "model.extra.weight" and "tensor sets differ" in report.detail
     (out / MANIFEST).write_text(good)
     assert verify_served(path, out).ok
 

@@ -163,5 +163,6 @@ def test_metrics_follow_the_master_under_stochastic_and_lag_under_nearest():
     assert rne["faircast/master_moved_frac"] == sr["faircast/master_moved_frac"] == 1.0
     assert rne["faircast/served_changed_frac"] == 0.0 < sr["faircast/served_changed_frac"]
     assert rne["faircast/bias_rel"] == 1.0 and sr["faircast/bias_rel"] < 0.1
+    assert rne["faircast/bias_rel_cumulative"] == 1.0 and sr["faircast/bias_rel_cumulative"] < 0.1
     assert rne["faircast/lag_steps"] > 5 and abs(sr["faircast/lag_steps"]) < 1
     assert sr["faircast/version"] == 12.0

@@ -36,17 +36,24 @@ def config_from_args(args) -> FairCastConfig:
     return FairCastConfig.from_value({k: v for k, v in values.items() if v is not None})
 
 
+LORA_REFUSED = "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported: the trained adapters are not the served weights"
+
+
+def check_supported(args) -> FairCastConfig:
+    """The run's Fair Cast config; raises for OpenRLHF options Fair Cast refuses."""
+    config = config_from_args(args)
+    if config.active and getattr(getattr(getattr(args, "ds", None), "lora", None), "rank", 0):
+        raise FairCastPatchError(LORA_REFUSED)
+    return config
+
+
 def attach_to_policy(policy_actor, args) -> None:
     """Give the policy actor's DeepSpeed engine (``policy_actor.actor.model``) Fair Cast per ``args.faircast``."""
     from ..deepspeed import apply_deepspeed_patch
 
-    config = config_from_args(args)
+    config = check_supported(args)
     if not config.active:
         return
-    if getattr(args.ds.lora, "rank", 0):
-        raise FairCastPatchError(
-            "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported: the trained adapters are not the served weights"
-        )
     engine = policy_actor.actor.model
     apply_deepspeed_patch(engine, FairCaster(config))
 
@@ -81,7 +88,7 @@ def init_model_from_pretrained(self, strategy, *args, **kwargs):
     """OpenRLHF's policy init, then Fair Cast on the policy engine (restoring its checkpointed state)."""
     from ..deepspeed import install_deepspeed_patch
 
-    if config_from_args(strategy.args).active:
+    if check_supported(strategy.args).active:  # refuse before minutes of model loading, not after
         install_deepspeed_patch()  # before the init, so a checkpoint load records where Fair Cast state lives
     result = _original("init_model_from_pretrained")(self, strategy, *args, **kwargs)
     attach_to_policy(self, strategy.args)

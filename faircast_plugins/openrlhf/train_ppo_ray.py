@@ -22,7 +22,7 @@ from typing import List, Optional
 
 from ..config import FairCastConfig
 from ..patching import PatchSet
-from .policy import OPENRLHF_SPECIFIER, patch_policy_actor
+from .policy import LORA_REFUSED, OPENRLHF_SPECIFIER, patch_policy_actor
 
 TARGET_MODULE = "openrlhf.cli.train_ppo_ray"
 
@@ -72,6 +72,8 @@ def _wrap_parse_args(original):
             config = config_from_namespace(ns)
             if config.enabled and config.ema_decay:
                 raise ValueError("faircast.ema_decay is not supported by the DeepSpeed patch; leave it at 0")
+            if config.active and getattr(ns, "ds.lora.rank", 0):
+                raise ValueError(LORA_REFUSED)
         except ValueError as exc:
             self.error(str(exc))
         _normalize(ns, config)

@@ -87,6 +87,7 @@ def test_without_the_flag_nothing_is_patched(launch):
     (["--faircast", "--faircast.ema_decay", "1.5"], "faircast.ema_decay must be in [0, 1)"),
     (["--faircast", "--faircast.ema_decay", "0.9"], "ema_decay is not supported by the DeepSpeed patch"),
     (["--faircast", "--faircast.ema_decay", "x"], "faircast.ema_decay must be a number"),
+    (["--faircast", "--ds.lora.rank", "8"], "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported"),
 ])
 def test_bad_values_give_a_clear_error(launch, capsys, argv, message):
     from faircast_plugins.openrlhf.train_ppo_ray import main

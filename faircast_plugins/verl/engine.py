@@ -9,6 +9,7 @@ from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
 import torch
 
 from ..audit import finalize
+from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..fsdp import apply_fsdp_cast_patches, register_fsdp_module
@@ -76,13 +77,20 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
         if tensor.dtype != torch.float32:
             raise TypeError(f"Fair Cast export: {name} arrives as {tensor.dtype}, expected the fp32 master")
         seen.add(canonical)
-        yield name, state.caster.cast(canonical, tensor.detach().contiguous())
+        yield name, _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
     missing = state.canonical - seen
     if missing:
         raise RuntimeError(
             f"Fair Cast export: {len(missing)} trained parameter(s) were not in verl's export "
             f"(e.g. {sorted(missing)[:3]}); the rollout would serve a copy Fair Cast did not make"
         )
+
+
+def _cast_unaudited(caster: FairCaster, name: str, master: torch.Tensor) -> torch.Tensor:
+    """``caster.cast`` without the audit observation: the audit samples FSDP's per-shard casts (every version,
+    on every rank, all-reduced), and the export of the same version is the same bits. Only the stateless modes
+    reach here (error feedback and EMA are refused for verl's FSDP engines)."""
+    return fair_cast(master, key=caster.key(name), mode=caster.mode, backend=caster.config.backend)
 
 
 # -- checkpoint ----------------------------------------------------------------------------------------------

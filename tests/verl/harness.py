@@ -11,6 +11,7 @@ forward used, the full fp32 masters at export time, and the Fair Cast version, f
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -133,12 +134,73 @@ def full_masters(module) -> dict:
             for n, p in module.named_parameters()}
 
 
+def run_case(case: dict, opts: dict, world: int) -> dict:
+    """One worker through one PPO step's path; returns what the test compares."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from faircast_plugins.verl.engine import state_of
+    from tests.verl.shims import cpu_platform
+
+    overrides = cpu_overrides(opts["model_dir"], case["strategy"], opts["batch"], world) + case.get("overrides", [])
+    cfg = compose(overrides)
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
+    worker.init_model()
+    engine = worker.actor.engine
+    if case.get("export_only"):
+        # Negative control for the trainer half: Fair Cast on for the export only; FSDP keeps its stock cast.
+        from faircast_plugins.fsdp import unregister_fsdp_module
+
+        unregister_fsdp_module(engine.module)
+    recorder = ForwardRecorder(engine.module)
+    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
+
+    from verl.utils import tensordict_utils as tu
+
+    def log_prob():
+        td = data.clone()
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+        worker.compute_log_prob(td)
+
+    result = {"rank": torch.distributed.get_rank()}
+    log_prob()
+    result["forward_v0"] = recorder.take()
+    result["masters_v0"] = full_masters(engine.module)
+
+    if case.get("load_checkpoint"):
+        worker.load_checkpoint(case["load_checkpoint"])
+    else:
+        td = data.clone()
+        mb = opts["batch"] // 2 * world
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        out = worker.update_actor(td)
+        recorder.take()
+        metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
+        result["metrics"] = {k: v for k, v in metrics.items() if k.startswith("faircast/")}
+        if case.get("save_checkpoint"):
+            worker.save_checkpoint(case["save_checkpoint"], global_step=2)
+
+    cpu_platform.RECEIVED.clear()
+    asyncio.run(worker.update_weights(mode="naive"))
+    assert len(cpu_platform.RECEIVED) == 1, "update_weights did not reach the rollout"
+    result["exported"] = cpu_platform.RECEIVED.pop()
+    result["masters"] = full_masters(engine.module)
+    log_prob()
+    result["forward"] = recorder.take()
+
+    state = state_of(engine)
+    result["version"] = state.caster.version if state is not None else None
+    result["seed"] = state.caster.config.seed if state is not None else None
+
+    return result
+
+
 def run(opts: dict) -> None:
     rank, world = opts["rank"], opts["world"]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts["port"]))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
 
     from tests.verl.shims import cpu_platform
 
@@ -150,70 +212,13 @@ def run(opts: dict) -> None:
 
     assert is_patched(ActorRolloutRefWorker.init_model), "the verl.plugins entry point did not patch verl"
 
-    overrides = cpu_overrides(opts["model_dir"], opts["strategy"], opts["batch"], world) + opts.get("overrides", [])
-    cfg = compose(overrides)
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
-    worker.init_model()
-    engine = worker.actor.engine
-    recorder = ForwardRecorder(engine.module)
-
-    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
-
-    def log_prob():
-        from verl.utils import tensordict_utils as tu
-
-        td = data.clone()
-        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
-        worker.compute_log_prob(td)
-
-    result = {"rank": rank}
-    log_prob()
-    result["forward_v0"] = recorder.take()
-    result["masters_v0"] = full_masters(engine.module)
-
-    if opts.get("load_checkpoint"):
-        worker.load_checkpoint(opts["load_checkpoint"])
-    else:
-        from verl.utils import tensordict_utils as tu
-
-        td = data.clone()
-        mb = opts["batch"] // 2 * world
-        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
-                             global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
-                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
-        out = worker.update_actor(td)
-        recorder.take()
-        from verl.utils import tensordict_utils as tu2
-
-        result["metrics"] = {k: v for k, v in (tu2.get(out, "metrics") or {}).items() if k.startswith("faircast/")} \
-            if out is not None else {}
-        if opts.get("save_checkpoint"):
-            worker.save_checkpoint(opts["save_checkpoint"], global_step=2)
-
-    cpu_platform.RECEIVED.clear()
-    asyncio.run(worker.update_weights(mode="naive"))
-    assert len(cpu_platform.RECEIVED) == 1, "update_weights did not reach the rollout"
-    result["exported"] = cpu_platform.RECEIVED[0]
-    result["masters"] = full_masters(engine.module)
-    log_prob()
-    result["forward"] = recorder.take()
-
-    from faircast_plugins.verl.engine import state_of
-
-    state = state_of(engine)
-    result["version"] = state.caster.version if state is not None else None
-    result["seed"] = state.caster.config.seed if state is not None else None
-
-    if state is not None and opts.get("export_only_control"):
-        # Negative control for the FSDP half: give FSDP back its stock cast; the export stays Fair Cast.
-        from faircast_plugins.fsdp import unregister_fsdp_module
-
-        unregister_fsdp_module(engine.module)
-        log_prob()
-        result["forward_stock_fsdp"] = recorder.take()
-
-    torch.save(result, os.path.join(opts["out_dir"], f"rank{rank}.pt"))
-    torch.distributed.barrier()
+    for case in opts["cases"]:  # several workers, one after the other, in one process group
+        torch.manual_seed(0)
+        print(f"=== case {case['name']} ===", flush=True)
+        result = run_case(case, opts, world)
+        torch.save(result, os.path.join(opts["out_dir"], f"{case['name']}_rank{rank}.pt"))
+        gc.collect()
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

@@ -1,0 +1,72 @@
+"""Shared fixtures: the tiny model, and a launcher that runs verl's worker on N gloo ranks (subprocesses)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from . import tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RANK_TIMEOUT_S = 900  # a safety net for hung collectives on a loaded 2-core machine, not a timed assertion
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tiny_model.build(str(tmp_path_factory.mktemp("tiny_qwen2")))
+
+
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory):
+    return tiny_model.build(str(tmp_path_factory.mktemp("tiny_qwen2_tied")), tie_word_embeddings=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(out_dir, *, model_dir: str, world: int, cases: list) -> dict:
+    """Run tests/verl/harness.py on ``world`` gloo ranks, each running ``cases`` in order.
+
+    Returns ``{case name: [rank 0 result, rank 1 result, ...]}``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    procs = []
+    for rank in range(world):
+        opts = dict(rank=rank, world=world, port=port, model_dir=model_dir, batch=8, vocab=tiny_model.VOCAB,
+                    out_dir=str(out_dir), cases=cases)
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.verl.harness", json.dumps(opts)], cwd=ROOT,
+                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    failed = []
+    for rank, (proc, log) in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=RANK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        if rc != 0:
+            failed.append((rank, rc))
+    if failed:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        tail = (out_dir / f"rank{failed[0][0]}.log").read_text()[-6000:]
+        raise AssertionError(f"ranks {failed} failed; log of rank {failed[0][0]}:\n{tail}")
+    return {c["name"]: [torch.load(out_dir / f"{c['name']}_rank{r}.pt", weights_only=False) for r in range(world)]
+            for c in cases}
+
+
+def rank_log(out_dir, rank: int = 0) -> str:
+    return (out_dir / f"rank{rank}.log").read_text()

@@ -1,0 +1,143 @@
+"""verl's real ActorRolloutRefWorker on CPU/gloo: the bf16 copy FSDP computes with == the exported copy ==
+fair_cast(master), for FSDP1 and FSDP2 at world sizes 1, 2 and 3 (3 gives uneven, padded shards).
+
+Each case runs init_model -> compute_log_prob -> update_actor (two optimizer steps) -> update_weights(naive)
+-> compute_log_prob, recording the weights every forward read on every rank (see harness.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faircast_plugins import derive_key, fair_cast
+
+from .conftest import rank_log, run_ranks  # noqa: F401
+
+SEED = 1234
+N_PARAMS = 27  # tiny Qwen2: embed, 2 x (3 norms-or-biases...), lm_head; all trainable
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    assert t.dtype == torch.bfloat16, t.dtype
+    return t.view(torch.int16)
+
+
+def served(master: torch.Tensor, version: int, name: str) -> torch.Tensor:
+    """The contract's served copy, computed independently of the adapter: the core fair_cast on the full master."""
+    return fair_cast(master, key=derive_key(SEED, version, name), backend="torch")
+
+
+ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED}}}"
+ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
+_RUNS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def worker_runs(tmp_path_factory, model_dir):
+    """One multi-rank launch per world size; each rank runs several workers in sequence (saves process start-up)."""
+
+    def get(world: int):
+        if world not in _RUNS:
+            out = tmp_path_factory.mktemp(f"world{world}")
+            cases = [dict(name="fsdp2_on", strategy="fsdp2", overrides=[ON]),
+                     dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
+            if world == 2:
+                ckpt = str(out / "ckpt")
+                cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)
+                cases += [dict(name="fsdp2_resume", strategy="fsdp2", overrides=[ON_AUDIT], load_checkpoint=ckpt),
+                          dict(name="fsdp2_off", strategy="fsdp2"),
+                          dict(name="fsdp_off", strategy="fsdp"),
+                          dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
+                          dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True)]
+            _RUNS[world] = (out, run_ranks(out, model_dir=model_dir, world=world, cases=cases))
+        return _RUNS[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_fsdp_cast_equals_export_equals_fair_cast(worker_runs, strategy, world):
+    out, runs = worker_runs(world)
+    results = runs[f"{strategy}_on"]
+    r0 = results[0]
+    assert "Fair Cast ACTIVE on the verl actor" in rank_log(out)
+    assert r0["version"] == 2 and r0["seed"] == SEED  # two optimizer steps -> weight version 2
+    masters, exported = r0["masters"], r0["exported"]
+    assert len(masters) == N_PARAMS and set(exported) == set(masters)
+
+    differs_from_rtn = 0
+    for name, master in masters.items():
+        assert master.dtype == torch.float32
+        expected = served(master, 2, name)
+        assert torch.equal(bits(exported[name]), bits(expected)), f"export of {name} is not fair_cast(master)"
+        for r in results:  # every rank's forward used exactly the exported copy
+            assert torch.equal(bits(r["forward"][name]), bits(expected)), f"rank {r['rank']} forward of {name}"
+        # before any optimizer step (compute_log_prob at version 0) the forward used fair_cast at version 0
+        expected_v0 = served(r0["masters_v0"][name], 0, name)
+        for r in results:
+            assert torch.equal(bits(r["forward_v0"][name]), bits(expected_v0)), f"rank {r['rank']} v0 {name}"
+        differs_from_rtn += int((bits(expected) != bits(master.to(torch.bfloat16))).sum())
+    assert differs_from_rtn > 0, "stochastic rounding never differed from round-to-nearest: the check is vacuous"
+
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_flag_off_serves_round_to_nearest(worker_runs, strategy):
+    """Negative control: without the flag, the export is the fp32 master and FSDP computes with its RTN cast."""
+    out, runs = worker_runs(2)
+    results = runs[f"{strategy}_off"]
+    r0 = results[0]
+    assert r0["version"] is None
+    assert "Fair Cast is OFF for this verl worker" in rank_log(out)
+    masters, exported = r0["masters"], r0["exported"]
+    assert len(masters) == N_PARAMS and set(exported) == set(masters)
+    for name, master in masters.items():
+        assert exported[name].dtype == torch.float32 and torch.equal(exported[name], master)
+        rtn = master.to(torch.bfloat16)  # what vLLM's copy_ makes of the fp32 export
+        for r in results:
+            assert torch.equal(bits(r["forward"][name]), bits(rtn)), f"rank {r['rank']} forward of {name}"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_export_only_control_breaks_the_match(worker_runs, strategy):
+    """Negative control for the trainer half: Fair Cast in the export but FSDP's stock cast in the actor. The
+    forward then reads round-to-nearest and differs from the served copy on every parameter: the FSDP patches
+    are what make the loss run on the served copy."""
+    _, runs = worker_runs(2)
+    results = runs[f"{strategy}_export_only"]
+    r0 = results[0]
+    masters, exported = r0["masters"], r0["exported"]
+    for name, master in masters.items():
+        assert torch.equal(bits(exported[name]), bits(served(master, 2, name)))
+        for r in results:
+            assert torch.equal(bits(r["forward"][name]), bits(master.to(torch.bfloat16)))
+            assert not torch.equal(bits(r["forward"][name]), bits(exported[name])), name
+
+
+def test_metrics_in_update_actor_output(worker_runs):
+    """faircast/* metrics (audit on) arrive in update_actor's metrics, which verl's tracking logger records."""
+    _, runs = worker_runs(2)
+    metrics = runs["fsdp2_on"][0]["metrics"]
+    assert metrics["faircast/version"] == 2.0
+    for key in ("faircast/served_changed_frac", "faircast/master_moved_frac", "faircast/bias", "faircast/bias_rel",
+                "faircast/lag_steps"):
+        assert key in metrics, f"{key} missing from {sorted(metrics)}"
+    assert 0.0 < metrics["faircast/master_moved_frac"] <= 1.0  # lr 1e-3 Adam moves every element
+    assert 0.0 < metrics["faircast/served_changed_frac"] <= 1.0
+    assert runs["fsdp2_off"][0]["metrics"] == {}  # flag off: nothing added
+
+
+def test_checkpoint_resume_serves_bit_identical_copy(worker_runs):
+    """A fresh worker that loads verl's actor checkpoint resumes at the saved version and serves the same bits."""
+    out, runs = worker_runs(2)
+    before, after = runs["fsdp2_on"], runs["fsdp2_resume"]
+    assert after[0]["version"] == before[0]["version"] == 2
+    assert sorted(p.name for p in (out / "ckpt").glob("faircast_state_rank_*.pt")) == [
+        "faircast_state_rank_0.pt", "faircast_state_rank_1.pt"]
+    saved = torch.load(out / "ckpt" / "faircast_state_rank_0.pt", weights_only=False)
+    assert saved["version"] == 2 and saved["config"]["seed"] == SEED
+    for name, q in before[0]["exported"].items():
+        assert torch.equal(bits(after[0]["exported"][name]), bits(q)), f"resumed export of {name} differs"
+        for r in after:
+            assert torch.equal(bits(r["forward"][name]), bits(q)), f"resumed rank {r['rank']} forward of {name}"

@@ -49,16 +49,21 @@ def cpu_overrides(model_dir: str, strategy: str, batch: int, world: int) -> list
     ]
 
 
-def compose(overrides: list):
+def compose(overrides: list, config_file: str | None = None):
+    """Compose verl's ``ppo_trainer`` (or a user config file that builds on it) with ``overrides``, as hydra would."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     import verl.trainer.config as verl_config
 
+    if config_file is None:
+        config_dir, name = os.path.dirname(verl_config.__file__), VERL_CONFIG_NAME
+    else:
+        config_dir, name = os.path.dirname(os.path.abspath(config_file)), os.path.basename(config_file)[:-len(".yaml")]
     GlobalHydra.instance().clear()
-    with initialize_config_dir(os.path.dirname(verl_config.__file__), version_base=None):
-        return hydra_compose(VERL_CONFIG_NAME, overrides=overrides)
+    with initialize_config_dir(config_dir, version_base=None):
+        return hydra_compose(name, overrides=overrides)
 
 
 def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
@@ -141,8 +146,12 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     from faircast_plugins.verl.engine import state_of
     from tests.verl.shims import cpu_platform
 
-    overrides = cpu_overrides(opts["model_dir"], case["strategy"], opts["batch"], world) + case.get("overrides", [])
-    cfg = compose(overrides)
+    if case.get("config_file"):  # a user config file (the tiny CPU example): it carries the CPU settings itself
+        overrides = [f"actor_rollout_ref.model.path={opts['model_dir']}", "actor_rollout_ref.rollout.name=faircast_record"]
+        cfg = compose(overrides + case.get("overrides", []), case["config_file"])
+    else:
+        overrides = cpu_overrides(opts["model_dir"], case["strategy"], opts["batch"], world)
+        cfg = compose(overrides + case.get("overrides", []))
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
     worker.init_model()
     engine = worker.actor.engine

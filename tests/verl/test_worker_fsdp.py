@@ -6,6 +6,8 @@ Each case runs init_model -> compute_log_prob -> update_actor (two optimizer ste
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ def served(master: torch.Tensor, version: int, name: str) -> torch.Tensor:
 ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED}}}"
 ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
 _RUNS: dict = {}
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "verl" / "grpo_tiny_cpu.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,8 @@ def worker_runs(tmp_path_factory, model_dir):
             out = tmp_path_factory.mktemp(f"world{world}")
             cases = [dict(name="fsdp2_on", strategy="fsdp2", overrides=[ON]),
                      dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
+            if world == 1:  # world 1 runs from the tiny CPU example config (the flag set in its YAML)
+                cases[0].update(config_file=EXAMPLE, overrides=[])
             if world == 2:
                 ckpt = str(out / "ckpt")
                 cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)

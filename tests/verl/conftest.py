@@ -12,6 +12,7 @@ import torch
 
 from . import tiny_model
 
+EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "verl")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RANK_TIMEOUT_S = 900  # a safety net for hung collectives on a loaded 2-core machine, not a timed assertion
 
@@ -66,6 +67,38 @@ def run_ranks(out_dir, *, model_dir: str, world: int, cases: list) -> dict:
         raise AssertionError(f"ranks {failed} failed; log of rank {failed[0][0]}:\n{tail}")
     return {c["name"]: [torch.load(out_dir / f"{c['name']}_rank{r}.pt", weights_only=False) for r in range(world)]
             for c in cases}
+
+
+SEED = 1234
+ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED}}}"
+ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
+_RUNS: dict = {}
+EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {enable: true, seed: 1234}
+
+
+@pytest.fixture(scope="session")
+def worker_runs(tmp_path_factory, model_dir):
+    """One multi-rank launch per world size; each rank runs several workers in sequence (saves process start-up)."""
+
+    def get(world: int):
+        if world not in _RUNS:
+            out = tmp_path_factory.mktemp(f"world{world}")
+            cases = [dict(name="fsdp2_on", strategy="fsdp2", overrides=[ON]),
+                     dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
+            if world == 1:  # world 1 runs from the tiny CPU example config (the flag set in its YAML)
+                cases[0].update(config_file=EXAMPLE, overrides=[])
+            if world == 2:
+                ckpt = str(out / "ckpt")
+                cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)
+                cases += [dict(name="fsdp2_resume", strategy="fsdp2", overrides=[ON_AUDIT], load_checkpoint=ckpt),
+                          dict(name="fsdp2_off", strategy="fsdp2"),
+                          dict(name="fsdp_off", strategy="fsdp"),
+                          dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
+                          dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True)]
+            _RUNS[world] = (out, run_ranks(out, model_dir=model_dir, world=world, cases=cases))
+        return _RUNS[world]
+
+    return get
 
 
 def rank_log(out_dir, rank: int = 0) -> str:

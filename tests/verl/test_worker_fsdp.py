@@ -6,17 +6,14 @@ Each case runs init_model -> compute_log_prob -> update_actor (two optimizer ste
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from faircast_plugins import derive_key, fair_cast
 
-from .conftest import rank_log, run_ranks  # noqa: F401
+from .conftest import SEED, rank_log
 
-SEED = 1234
-N_PARAMS = 27  # tiny Qwen2: embed, 2 x (3 norms-or-biases...), lm_head; all trainable
+N_PARAMS = 27  # tiny Qwen2: embed, lm_head, final norm + 2 layers x (q,k,v weight+bias, o, gate, up, down, 2 norms)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -27,37 +24,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def served(master: torch.Tensor, version: int, name: str) -> torch.Tensor:
     """The contract's served copy, computed independently of the adapter: the core fair_cast on the full master."""
     return fair_cast(master, key=derive_key(SEED, version, name), backend="torch")
-
-
-ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED}}}"
-ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
-_RUNS: dict = {}
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "verl" / "grpo_tiny_cpu.yaml")
-
-
-@pytest.fixture(scope="module")
-def worker_runs(tmp_path_factory, model_dir):
-    """One multi-rank launch per world size; each rank runs several workers in sequence (saves process start-up)."""
-
-    def get(world: int):
-        if world not in _RUNS:
-            out = tmp_path_factory.mktemp(f"world{world}")
-            cases = [dict(name="fsdp2_on", strategy="fsdp2", overrides=[ON]),
-                     dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
-            if world == 1:  # world 1 runs from the tiny CPU example config (the flag set in its YAML)
-                cases[0].update(config_file=EXAMPLE, overrides=[])
-            if world == 2:
-                ckpt = str(out / "ckpt")
-                cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)
-                cases += [dict(name="fsdp2_resume", strategy="fsdp2", overrides=[ON_AUDIT], load_checkpoint=ckpt),
-                          dict(name="fsdp2_off", strategy="fsdp2"),
-                          dict(name="fsdp_off", strategy="fsdp"),
-                          dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
-                          dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True)]
-            _RUNS[world] = (out, run_ranks(out, model_dir=model_dir, world=world, cases=cases))
-        return _RUNS[world]
-
-    return get
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

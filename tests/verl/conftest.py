@@ -77,7 +77,7 @@ EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {ena
 
 
 @pytest.fixture(scope="session")
-def worker_runs(tmp_path_factory, model_dir):
+def worker_runs(tmp_path_factory, model_dir, tied_model_dir):
     """One multi-rank launch per world size; each rank runs several workers in sequence (saves process start-up)."""
 
     def get(world: int):
@@ -87,6 +87,7 @@ def worker_runs(tmp_path_factory, model_dir):
                      dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
             if world == 1:  # world 1 runs from the tiny CPU example config (the flag set in its YAML)
                 cases[0].update(config_file=EXAMPLE, overrides=[])
+                cases[1].update(role="actor_rollout_ref")  # with a reference model in the same worker
             if world == 2:
                 ckpt = str(out / "ckpt")
                 cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)
@@ -94,7 +95,9 @@ def worker_runs(tmp_path_factory, model_dir):
                           dict(name="fsdp2_off", strategy="fsdp2"),
                           dict(name="fsdp_off", strategy="fsdp"),
                           dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
-                          dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True)]
+                          dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True),
+                          dict(name="fsdp2_tied", strategy="fsdp2", overrides=[ON], model_dir=tied_model_dir),
+                          dict(name="fsdp_tied", strategy="fsdp", overrides=[ON], model_dir=tied_model_dir)]
             _RUNS[world] = (out, run_ranks(out, model_dir=model_dir, world=world, cases=cases))
         return _RUNS[world]
 

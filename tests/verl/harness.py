@@ -146,13 +146,14 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     from faircast_plugins.verl.engine import state_of
     from tests.verl.shims import cpu_platform
 
+    model_dir = case.get("model_dir", opts["model_dir"])
     if case.get("config_file"):  # a user config file (the tiny CPU example): it carries the CPU settings itself
-        overrides = [f"actor_rollout_ref.model.path={opts['model_dir']}", "actor_rollout_ref.rollout.name=faircast_record"]
+        overrides = [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=faircast_record"]
         cfg = compose(overrides + case.get("overrides", []), case["config_file"])
     else:
-        overrides = cpu_overrides(opts["model_dir"], case["strategy"], opts["batch"], world)
+        overrides = cpu_overrides(model_dir, case["strategy"], opts["batch"], world)
         cfg = compose(overrides + case.get("overrides", []))
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=case.get("role", "actor_rollout"))
     worker.init_model()
     engine = worker.actor.engine
     if case.get("export_only"):
@@ -174,6 +175,14 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     log_prob()
     result["forward_v0"] = recorder.take()
     result["masters_v0"] = full_masters(engine.module)
+
+    if worker.ref is not None:  # the reference model shares the process and the patched FSDP code paths
+        ref_recorder = ForwardRecorder(worker.ref.engine.module)
+        td = data.clone()
+        tu.assign_non_tensor(td, calculate_entropy=False, calculate_sum_pi_squared=False, compute_loss=False)
+        worker.compute_ref_log_prob(td)
+        result["ref_forward"] = ref_recorder.take()
+        result["ref_has_faircast"] = state_of(worker.ref.engine) is not None
 
     if case.get("load_checkpoint"):
         worker.load_checkpoint(case["load_checkpoint"])

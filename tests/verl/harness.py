@@ -176,13 +176,6 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     result["forward_v0"] = recorder.take()
     result["masters_v0"] = full_masters(engine.module)
 
-    if worker.ref is not None:  # the reference model shares the process and the patched FSDP code paths
-        ref_recorder = ForwardRecorder(worker.ref.engine.module)
-        td = data.clone()
-        tu.assign_non_tensor(td, calculate_entropy=False, calculate_sum_pi_squared=False, compute_loss=False)
-        worker.compute_ref_log_prob(td)
-        result["ref_forward"] = ref_recorder.take()
-        result["ref_has_faircast"] = state_of(worker.ref.engine) is not None
 
     if case.get("load_checkpoint"):
         worker.load_checkpoint(case["load_checkpoint"])

@@ -27,6 +27,7 @@ class EngineFairCast:
     caster: FairCaster
     export_names: Dict[str, str]
     canonical: Set[str] = field(default_factory=set)
+    cumulative: Dict[str, float] = field(default_factory=lambda: {"dev_along": 0.0, "abs_update": 0.0})
 
 
 def state_of(engine) -> Optional[EngineFairCast]:
@@ -140,4 +141,9 @@ def metrics(state: EngineFairCast, device=None) -> Dict[str, float]:
         torch.distributed.all_reduce(t)
         totals = dict(zip(keys, t.cpu().tolist()))
     out.update(finalize(totals))
+    c = state.cumulative  # the core's bias_rel_cumulative, over every rank's shards
+    c["dev_along"] += totals.get("dev_along", 0.0)
+    c["abs_update"] += totals.get("abs_update", 0.0)
+    if c["abs_update"]:
+        out["faircast/bias_rel_cumulative"] = abs(c["dev_along"]) / c["abs_update"]
     return out

@@ -92,7 +92,7 @@ def test_metrics_in_update_actor_output(worker_runs):
     metrics = runs["fsdp2_on"][0]["metrics"]
     assert metrics["faircast/version"] == 2.0
     for key in ("faircast/served_changed_frac", "faircast/master_moved_frac", "faircast/bias", "faircast/bias_rel",
-                "faircast/lag_steps"):
+                "faircast/lag_steps", "faircast/bias_rel_cumulative"):
         assert key in metrics, f"{key} missing from {sorted(metrics)}"
     assert 0.0 < metrics["faircast/master_moved_frac"] <= 1.0  # lr 1e-3 Adam moves every element
     assert 0.0 < metrics["faircast/served_changed_frac"] <= 1.0

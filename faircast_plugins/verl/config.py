@@ -44,8 +44,8 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but actor.strategy={strategy!r}: Fair Cast for verl supports the FSDP "
             f"engines ({', '.join(FSDP_STRATEGIES)}) only. With Megatron the fp32 master lives in Megatron-core's "
-            f"distributed optimizer and the bf16 copy is written by its main->model param copy, outside verl and "
-            f"outside any verl plugin hook (see docs/verl.md)."
+            f"optimizer and the bf16 params are written by its main->model param copy, inside Megatron-core rather "
+            f"than verl; that copy is not patched (see docs/verl.md)."
         )
     if config.enabled and config.mode == "error_feedback":
         raise ValueError(

@@ -185,3 +185,19 @@ def test_missing_symbol_names_the_installed_version():
     with pytest.raises(FairCastPatchError, match=r"cannot patch verl 0\.9\.1.*no_such_method"):
         patches.apply()
     assert not patches.active
+
+
+@pytest.mark.parametrize("method, message", [("get_per_tensor_param_shard", "delta_sharded"),
+                                             ("_merged_lora_per_tensor_param", "merged LoRA")])
+def test_unsupported_export_paths_refuse_when_active(method, message):
+    """The guarded FSDPEngine export paths raise for an engine Fair Cast is active on (and only then)."""
+    from types import SimpleNamespace
+
+    import faircast_plugins.verl.plugin  # noqa: F401  (idempotent: verl may already be patched)
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from faircast_plugins.patching import is_patched
+
+    assert is_patched(getattr(FSDPEngine, method))
+    with pytest.raises(RuntimeError, match=message):
+        getattr(FSDPEngine, method)(SimpleNamespace(_faircast=object()))

@@ -193,7 +193,7 @@ def test_unsupported_export_paths_refuse_when_active(method, message):
     """The guarded FSDPEngine export paths raise for an engine Fair Cast is active on (and only then)."""
     from types import SimpleNamespace
 
-    import faircast_plugins.verl.plugin  # noqa: F401  (idempotent: verl may already be patched)
+    import verl.workers.engine_workers  # noqa: F401  (importing it applies the plugin's patches)
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     from faircast_plugins.patching import is_patched

@@ -19,7 +19,7 @@ def run(config) -> None:
     verl_main.__wrapped__(config)
 
 
-@hydra.main(config_path="config", config_name="faircast_ppo_trainer", version_base=None)
+@hydra.main(config_path="hydra_config", config_name="faircast_ppo_trainer", version_base=None)
 def main(config) -> None:
     run(config)
 

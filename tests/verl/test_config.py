@@ -15,7 +15,7 @@ from .harness import compose, cpu_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "verl"
-WRAPPER_CONFIG = ROOT / "faircast_plugins" / "verl" / "config" / "faircast_ppo_trainer.yaml"
+WRAPPER_CONFIG = ROOT / "faircast_plugins" / "verl" / "hydra_config" / "faircast_ppo_trainer.yaml"
 
 
 def validated(cfg):

@@ -87,6 +87,8 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir):
                      dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
             if world == 1:  # world 1 runs from the tiny CPU example config (the flag set in its YAML)
                 cases[0].update(config_file=EXAMPLE, overrides=[])
+                cases.append(dict(name="fsdp2_audit_only", strategy="fsdp2",
+                                  overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}"]))
             if world == 2:
                 ckpt = str(out / "ckpt")
                 cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,16 @@ def test_unsupported_export_paths_refuse_when_active(method, message):
     assert is_patched(getattr(FSDPEngine, method))
     with pytest.raises(RuntimeError, match=message):
         getattr(FSDPEngine, method)(SimpleNamespace(_faircast=object()))
+
+
+def test_unverified_torch_is_refused_with_its_version(monkeypatch):
+    """The FSDP cast sites are private torch APIs: outside the verified torch range activation fails, naming it."""
+    import torch
+
+    from faircast_plugins import fsdp
+    from faircast_plugins.patching import FairCastPatchError
+
+    monkeypatch.setattr(fsdp, "TORCH_SPECIFIER", ">=2.14,<2.15")
+    with pytest.raises(FairCastPatchError, match=re.escape(f"installed torch is {torch.__version__}")):
+        fsdp.apply_fsdp_cast_patches()
+    assert fsdp._PATCHES is None or not fsdp._PATCHES.active

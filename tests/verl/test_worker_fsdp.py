@@ -86,6 +86,18 @@ def test_export_only_control_breaks_the_match(worker_runs, strategy):
             assert not torch.equal(bits(r["forward"][name]), bits(exported[name])), name
 
 
+def test_audit_only_measures_the_round_to_nearest_baseline(worker_runs):
+    """faircast: {enable: false, audit: true}: FSDP and the export both round to nearest (mode 'nearest'), and the
+    metrics still arrive, so a baseline run can be compared with a Fair Cast run."""
+    _, runs = worker_runs(1)
+    r0 = runs["fsdp2_audit_only"][0]
+    assert r0["version"] == 2
+    for name, master in r0["masters"].items():
+        rtn = bits(master.to(torch.bfloat16))
+        assert torch.equal(bits(r0["exported"][name]), rtn) and torch.equal(bits(r0["forward"][name]), rtn), name
+    assert "faircast/served_changed_frac" in r0["metrics"] and "faircast/lag_steps" in r0["metrics"]
+
+
 def test_metrics_in_update_actor_output(worker_runs):
     """faircast/* metrics (audit on) arrive in update_actor's metrics, which verl's tracking logger records."""
     _, runs = worker_runs(2)

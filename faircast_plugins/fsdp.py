@@ -64,6 +64,7 @@ class _HandleCast:
 # -- the patched call sites ------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
 def _fair_cast_fsdp2(fsdp_param, out: torch.Tensor) -> None:
     """Overwrite the valid prefix of a bf16 all-gather input with the Fair Cast bits of that shard."""
     spec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
@@ -109,6 +110,7 @@ def _wrap_get_param_all_gather_inputs(original):
 
 
 def _wrap_use_low_precision_shard(original):
+    @torch.no_grad()
     def _use_low_precision_shard(self):
         original(self)
         spec: Optional[_HandleCast] = getattr(self, _ATTR, None)

@@ -58,11 +58,17 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             "kept per FSDP shard and for the export at once). Remove it or set it to 0."
         )
     lora = worker_config.model.get("lora_rank", 0) or 0
-    if lora:
+    if lora and (worker_config.model.get("lora", {}) or {}).get("merge", False):
         raise ValueError(
-            "actor_rollout_ref.faircast with LoRA (model.lora_rank > 0) is not supported yet: with lora.merge=true the "
-            "rollout serves round(W + BA) while the actor computes W x + B(A x), so the loss can never run on the "
-            "served copy; the unmerged adapter path is not verified."
+            "actor_rollout_ref.faircast with model.lora.merge=true is not supported: the rollout would serve "
+            "round(W + BA) while the actor computes W x + B(A x), so the loss can never run on the served copy. "
+            "Use unmerged LoRA (the default)."
+        )
+    if lora and strategy != "fsdp2":
+        raise ValueError(
+            f"actor_rollout_ref.faircast with LoRA is supported with actor.strategy=fsdp2 only (got {strategy!r}): "
+            f"with FSDP1, verl 0.9.1's adapter export came out empty in our checks, so the served adapters could "
+            f"not be verified."
         )
     rollout_dtype = str(worker_config.rollout.get("dtype", "bfloat16"))
     if rollout_dtype not in ("bfloat16", "bf16"):

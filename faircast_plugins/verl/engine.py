@@ -13,6 +13,7 @@ from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..fsdp import apply_fsdp_cast_patches, register_fsdp_module
+from ..key import canonical_name
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -27,6 +28,7 @@ class EngineFairCast:
     caster: FairCaster
     export_names: Dict[str, str]
     canonical: Set[str] = field(default_factory=set)
+    peft: bool = False  # LoRA (unmerged): base weights and adapters are exported separately
     cumulative: Dict[str, float] = field(default_factory=lambda: {"dev_along": 0.0, "abs_update": 0.0})
 
 
@@ -43,7 +45,15 @@ def _export_names(module, registered: Dict[str, str]) -> Dict[str, str]:
     from verl.workers.engine.fsdp import transformer_impl
 
     converted = transformer_impl.convert_weight_keys({n: n for n in registered}, _hf_model(module))
-    return {exported: registered[original] for exported, original in converted.items()}
+    names = {exported: registered[original] for exported, original in converted.items()}
+    # PEFT exports adapters without the adapter name (peft's get_peft_model_state_dict): q_proj.lora_A.weight
+    # for the parameter q_proj.lora_A.default.weight. Both names key the same parameter.
+    for exported, canonical in list(names.items()):
+        for part in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B."):
+            head, sep, tail = exported.partition(part)
+            if sep and "." in tail:
+                names.setdefault(head + part + tail.split(".", 1)[1], canonical)
+    return names
 
 
 def activate(engine, config: FairCastConfig) -> EngineFairCast:
@@ -58,7 +68,8 @@ def activate(engine, config: FairCastConfig) -> EngineFairCast:
     apply_fsdp_cast_patches()
     caster = FairCaster(config)
     registered = register_fsdp_module(engine.module, caster)
-    state = EngineFairCast(caster, _export_names(engine.module, registered), set(registered.values()))
+    peft = hasattr(_hf_model(engine.module), "peft_config")
+    state = EngineFairCast(caster, _export_names(engine.module, registered), set(registered.values()), peft)
     setattr(engine, ATTR, state)
     return state
 
@@ -67,11 +78,12 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
     """The exported ``(name, full fp32 tensor)`` stream, with every registered parameter replaced by its served bf16.
 
     Unregistered tensors (frozen params, buffers) pass unchanged: the rollout rounds them to nearest, which is
-    what FSDP's stock cast does for them. Raises if a registered parameter is missing from the stream.
+    what FSDP's stock cast does for them. Raises if a registered parameter is missing from a dense export (with
+    LoRA, the frozen base weights and the adapters travel in separate exports).
     """
     seen = set()
     for name, tensor in weights:
-        canonical = state.export_names.get(name)
+        canonical = state.export_names.get(name) or state.export_names.get(canonical_name(name))
         if canonical is None:
             yield name, tensor
             continue
@@ -80,7 +92,7 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
         seen.add(canonical)
         yield name, _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
     missing = state.canonical - seen
-    if missing:
+    if missing and not state.peft:
         raise RuntimeError(
             f"Fair Cast export: {len(missing)} trained parameter(s) were not in verl's export "
             f"(e.g. {sorted(missing)[:3]}); the rollout would serve a copy Fair Cast did not make"

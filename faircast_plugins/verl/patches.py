@@ -20,8 +20,9 @@ _WORKER = "verl.workers.engine_workers:ActorRolloutRefWorker"
 _IMPL = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE = f"{_IMPL}:FSDPEngine"
 
-# The engine whose get_per_tensor_param is running: its export stream passes through unfuse_moe_params,
-# which is where the full fp32 tensors still carry the trainer's names (before MoE experts are split).
+# The engine whose get_per_tensor_param is running ({"state": EngineFairCast, "cast": bool}): its export stream
+# passes through unfuse_moe_params, where the full fp32 tensors still carry the trainer's names (before MoE
+# experts are split). LoRA adapter exports skip that function; get_per_tensor_param casts them itself.
 _EXPORTING: contextvars.ContextVar = contextvars.ContextVar("faircast_exporting", default=None)
 
 
@@ -92,11 +93,19 @@ def _wrap_optimizer_step(original):
 def _wrap_get_per_tensor_param(original):
     @functools.wraps(original)
     def get_per_tensor_param(self, *args, **kwargs):
-        token = _EXPORTING.set(fc_engine.state_of(self))
-        try:
+        state = fc_engine.state_of(self)
+        if state is None:
             return original(self, *args, **kwargs)
+        hooked = {"state": state, "cast": False}
+        token = _EXPORTING.set(hooked)
+        try:
+            weights, peft_config = original(self, *args, **kwargs)
         finally:
             _EXPORTING.reset(token)
+        if not hooked["cast"]:
+            # verl's LoRA adapter export (peft_config set, base already synced) skips unfuse_moe_params
+            weights = fc_engine.cast_export(state, weights)
+        return weights, peft_config
 
     return get_per_tensor_param
 
@@ -104,9 +113,10 @@ def _wrap_get_per_tensor_param(original):
 def _wrap_unfuse_moe_params(original):
     @functools.wraps(original)
     def unfuse_moe_params(weights, *args, **kwargs):
-        state: Optional[fc_engine.EngineFairCast] = _EXPORTING.get()
-        if state is not None:
-            weights = fc_engine.cast_export(state, weights)
+        hooked: Optional[dict] = _EXPORTING.get()
+        if hooked is not None:
+            hooked["cast"] = True
+            weights = fc_engine.cast_export(hooked["state"], weights)
         return original(weights, *args, **kwargs)
 
     return unfuse_moe_params

@@ -73,6 +73,7 @@ SEED = 1234
 ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED}}}"
 ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
 _RUNS: dict = {}
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]  # unmerged (verl's default)
 EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {enable: true, seed: 1234}
 
 
@@ -89,6 +90,7 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir):
                 cases[0].update(config_file=EXAMPLE, overrides=[])
                 cases.append(dict(name="fsdp2_audit_only", strategy="fsdp2",
                                   overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}"]))
+                cases.append(dict(name="fsdp2_lora", strategy="fsdp2", overrides=[ON, *LORA]))
             if world == 2:
                 ckpt = str(out / "ckpt")
                 cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)

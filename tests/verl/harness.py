@@ -104,20 +104,20 @@ class ForwardRecorder:
     """Forward pre-hooks that keep the weights (bf16 compute copies) each module's forward actually reads."""
 
     def __init__(self, module):
-        from faircast_plugins.key import canonical_name
-
         self.seen = {}
         self.handles = []
         for prefix, sub in module.named_modules():
             names = [n for n in ("weight", "bias") if isinstance(getattr(sub, n, None), torch.Tensor)]
             if names and not list(sub.children()):
-                self.handles.append(sub.register_forward_pre_hook(self._hook(canonical_name(prefix), names)))
+                self.handles.append(sub.register_forward_pre_hook(self._hook(prefix, names)))
 
     def _hook(self, prefix, names):
+        from faircast_plugins.key import canonical_name
+
         def hook(module, args):
             for n in names:
                 t = getattr(module, n)
-                self.seen[f"{prefix}.{n}"] = t.detach().to_local().clone() if hasattr(t, "to_local") else t.detach().clone()
+                self.seen[canonical_name(f"{prefix}.{n}")] = t.detach().to_local().clone() if hasattr(t, "to_local") else t.detach().clone()
 
         return hook
 
@@ -194,8 +194,9 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
 
     cpu_platform.RECEIVED.clear()
     asyncio.run(worker.update_weights(mode="naive"))
-    assert len(cpu_platform.RECEIVED) == 1, "update_weights did not reach the rollout"
-    result["exported"] = cpu_platform.RECEIVED.pop()
+    assert cpu_platform.RECEIVED, "update_weights did not reach the rollout"
+    result["exports"] = list(cpu_platform.RECEIVED)  # LoRA: the base weights, then the adapters
+    result["exported"] = {k: v for part in cpu_platform.RECEIVED for k, v in part.items()}
     result["masters"] = full_masters(engine.module)
     log_prob()
     result["forward"] = recorder.take()

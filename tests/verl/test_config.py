@@ -112,15 +112,23 @@ def test_bad_values_are_clear_errors(value, message):
 
 @pytest.mark.parametrize("override, message", [
     ("actor_rollout_ref.actor.strategy=megatron", "Megatron"),
-    ("actor_rollout_ref.model.lora_rank=8", "LoRA"),
+    ("actor_rollout_ref.model.lora_rank=8,actor_rollout_ref.model.lora.merge=true", "lora.merge=true"),
+    ("actor_rollout_ref.model.lora_rank=8,actor_rollout_ref.actor.strategy=fsdp", "fsdp2 only"),
     ("actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded", "delta_sharded"),
     ("actor_rollout_ref.rollout.dtype=float16", "bf16 rollout"),
 ])
 def test_unsupported_setups_are_refused(override, message):
-    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true", override])
+    """Refused before the model is built, with the reason (unmerged LoRA, below, is supported)."""
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true", *override.split(",")])
     fc = read_faircast(cfg.actor_rollout_ref)
     with pytest.raises(ValueError, match=message):
         check_supported(fc, cfg.actor_rollout_ref)
+
+
+def test_unmerged_lora_is_accepted():
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true",
+                                                          "actor_rollout_ref.model.lora_rank=8"])
+    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
 
 
 @pytest.mark.parametrize("mode_value, message", [({"enable": True, "mode": "error_feedback"}, "error_feedback"),

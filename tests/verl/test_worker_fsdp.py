@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faircast_plugins import derive_key, fair_cast
+from faircast_plugins import canonical_name, derive_key, fair_cast
 
 from .conftest import SEED, rank_log
 
@@ -144,3 +144,26 @@ def test_tied_embeddings_use_one_canonical_key(worker_runs, strategy):
     assert "model.embed_tokens.weight" in exported
     for name, master in masters.items():
         assert torch.equal(bits(exported[name]), bits(served(master, 2, name))), name
+
+
+def test_unmerged_lora_adapters_are_served_as_computed(worker_runs):
+    """LoRA (unmerged): the frozen base weights keep round-to-nearest on both sides; the trained adapters are
+    exported (verl's adapter sync) as the Fair Cast copy the forward computes with."""
+    _, runs = worker_runs(1)
+    r0 = runs["fsdp2_lora"][0]
+    assert r0["version"] == 2
+    masters, forward = r0["masters"], r0["forward"]
+    adapters = {n for n in masters if ".lora_" in n}
+    assert adapters, "no LoRA parameters: the case did not build a LoRA actor"
+    adapter_export = r0["exports"][-1]  # verl sends the base weights first, then the adapters
+    assert len(adapter_export) == len(adapters)
+    for exported_name, q in adapter_export.items():
+        # peft exports "...q_proj.lora_A.weight" for the parameter "...q_proj.lora_A.default.weight"
+        head, part, tail = exported_name.partition(".lora_A." if ".lora_A." in exported_name else ".lora_B.")
+        name = canonical_name(f"{head}{part}default.{tail}")
+        assert name in adapters, exported_name
+        expected = served(masters[name], 2, name)
+        assert torch.equal(bits(q), bits(expected)), exported_name
+        assert torch.equal(bits(forward[name]), bits(expected)), name
+    for name in masters.keys() - adapters:  # frozen base weights: RTN in the forward
+        assert torch.equal(bits(forward[name]), bits(masters[name].to(torch.bfloat16))), name

@@ -88,6 +88,8 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir):
                      dict(name="fsdp_on", strategy="fsdp", overrides=[ON])]
             if world == 1:  # world 1 runs from the tiny CPU example config (the flag set in its YAML)
                 cases[0].update(config_file=EXAMPLE, overrides=[])
+                cases[1].update(checkpoint_engine=True, overrides=[
+                    ON, "actor_rollout_ref.rollout.checkpoint_engine.backend=faircast_record"])
                 cases.append(dict(name="fsdp2_audit_only", strategy="fsdp2",
                                   overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}"]))
                 cases.append(dict(name="fsdp2_lora", strategy="fsdp2", overrides=[ON, *LORA]))

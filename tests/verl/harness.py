@@ -197,6 +197,10 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     assert cpu_platform.RECEIVED, "update_weights did not reach the rollout"
     result["exports"] = list(cpu_platform.RECEIVED)  # LoRA: the base weights, then the adapters
     result["exported"] = {k: v for part in cpu_platform.RECEIVED for k, v in part.items()}
+    if case.get("checkpoint_engine"):  # the non-naive path (nccl/nixl/hccl backends): send_weights
+        cpu_platform.SENT_BY_CHECKPOINT_ENGINE.clear()
+        asyncio.run(worker.update_weights())  # mode "auto" -> rollout.checkpoint_engine.backend
+        result["sent_by_checkpoint_engine"] = cpu_platform.SENT_BY_CHECKPOINT_ENGINE.pop()
     result["masters"] = full_masters(engine.module)
     log_prob()
     result["forward"] = recorder.take()

@@ -167,3 +167,14 @@ def test_unmerged_lora_adapters_are_served_as_computed(worker_runs):
         assert torch.equal(bits(forward[name]), bits(expected)), name
     for name in masters.keys() - adapters:  # frozen base weights: RTN in the forward
         assert torch.equal(bits(forward[name]), bits(masters[name].to(torch.bfloat16))), name
+
+
+def test_checkpoint_engine_path_sends_the_same_copy(worker_runs):
+    """update_weights with a checkpoint-engine backend (the nccl/nixl/hccl route: send_weights of
+    get_per_tensor_param) sends the same Fair Cast bf16 copy as the colocated path."""
+    _, runs = worker_runs(1)
+    r0 = runs["fsdp_on"][0]
+    sent, exported = r0["sent_by_checkpoint_engine"], r0["exported"]
+    assert set(sent) == set(exported) and len(sent) == N_PARAMS
+    for name, q in exported.items():
+        assert torch.equal(bits(sent[name]), bits(q)), name

@@ -147,10 +147,46 @@ def install() -> None:
     init_utils._check_module_states_for_sync_module_states = noop
 
     _register_recording_rollout()
+    _register_recording_checkpoint_engine()
     _INSTALLED = True
 
 
 RECEIVED: list = []  # one dict {name: tensor} per update_weights call
+SENT_BY_CHECKPOINT_ENGINE: list = []  # one dict per checkpoint-engine send_weights call
+
+
+def _register_recording_checkpoint_engine() -> None:
+    """A checkpoint-engine backend (``faircast_record``) that records what the actor sends, the way the
+    ``nccl``/``nixl``/``hccl`` backends receive it (``update_weights`` with a non-naive mode)."""
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+    @CheckpointEngineRegistry.register("faircast_record")
+    class RecordingCheckpointEngine(CheckpointEngine):
+        def __init__(self, bucket_size: int = 0, is_master: bool = False, **kwargs):
+            self.bucket_size, self.is_master = bucket_size, is_master
+
+        def prepare(self):
+            return {}
+
+        @classmethod
+        def build_topology(cls, *args, **kwargs):
+            return {}, {}
+
+        def init_process_group(self, **kwargs):
+            pass
+
+        def finalize(self):
+            pass
+
+        async def send_weights(self, weights, **kwargs):
+            SENT_BY_CHECKPOINT_ENGINE.append({name: t.detach().clone() for name, t in weights})
+            return {}
+
+        async def receive_weights(self, **kwargs):  # pragma: no cover - the rollout side is not run here
+            raise NotImplementedError
+
+        async def get_weights(self):  # pragma: no cover
+            raise NotImplementedError
 
 
 def _register_recording_rollout() -> None:

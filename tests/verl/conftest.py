@@ -23,6 +23,11 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory):
+    return tiny_model.build(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), moe=True)
+
+
+@pytest.fixture(scope="session")
 def tied_model_dir(tmp_path_factory):
     return tiny_model.build(str(tmp_path_factory.mktemp("tiny_qwen2_tied")), tie_word_embeddings=True)
 
@@ -78,7 +83,7 @@ EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {ena
 
 
 @pytest.fixture(scope="session")
-def worker_runs(tmp_path_factory, model_dir, tied_model_dir):
+def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
     """One multi-rank launch per world size; each rank runs several workers in sequence (saves process start-up)."""
 
     def get(world: int):
@@ -93,6 +98,8 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir):
                 cases.append(dict(name="fsdp2_audit_only", strategy="fsdp2",
                                   overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}"]))
                 cases.append(dict(name="fsdp2_lora", strategy="fsdp2", overrides=[ON, *LORA]))
+            if world == 3:  # packed MoE experts (4 over 3 ranks: uneven shards of a 3-D parameter), unfused on export
+                cases.append(dict(name="fsdp2_moe", strategy="fsdp2", overrides=[ON], model_dir=moe_model_dir))
             if world == 2:
                 ckpt = str(out / "ckpt")
                 cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)

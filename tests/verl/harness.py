@@ -108,7 +108,8 @@ class ForwardRecorder:
         self.handles = []
         for prefix, sub in module.named_modules():
             names = [n for n in ("weight", "bias") if isinstance(getattr(sub, n, None), torch.Tensor)]
-            if names and not list(sub.children()):
+            names += [n for n, _ in sub.named_parameters(recurse=False) if n not in names]  # packed MoE experts
+            if names and (not list(sub.children()) or "experts" in prefix.rsplit(".", 1)[-1]):
                 self.handles.append(sub.register_forward_pre_hook(self._hook(prefix, names)))
 
     def _hook(self, prefix, names):

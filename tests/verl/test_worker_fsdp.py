@@ -178,3 +178,31 @@ def test_checkpoint_engine_path_sends_the_same_copy(worker_runs):
     assert set(sent) == set(exported) and len(sent) == N_PARAMS
     for name, q in exported.items():
         assert torch.equal(bits(sent[name]), bits(q)), name
+
+
+def test_moe_experts_unfused_on_export_keep_one_canonical_key(worker_runs):
+    """Qwen3-MoE with packed experts (mlp.experts.gate_up_proj [E, 2I, H]) sharded unevenly over 3 ranks: FSDP
+    computes with fair_cast(packed master), and verl's export splits that same copy into per-expert tensors."""
+    _, runs = worker_runs(3)
+    results = runs["fsdp2_moe"]
+    r0 = results[0]
+    masters, exported = r0["masters"], r0["exported"]
+    packed = [n for n in masters if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+    assert packed, "the MoE model has no packed expert parameters"
+    for name, master in masters.items():
+        expected = served(master, 2, name)
+        for r in results:
+            assert torch.equal(bits(r["forward"][name]), bits(expected)), f"rank {r['rank']} forward of {name}"
+        if name not in packed:
+            assert torch.equal(bits(exported[name]), bits(expected)), name
+            continue
+        base = name.rsplit(".", 1)[0]
+        if name.endswith("gate_up_proj"):
+            gate, up = expected.chunk(2, dim=1)
+            parts = {"gate_proj": gate, "up_proj": up}
+        else:
+            parts = {"down_proj": expected}
+        for e in range(expected.shape[0]):
+            for proj, full in parts.items():
+                got = exported[f"{base}.{e}.{proj}.weight"]
+                assert torch.equal(bits(got), bits(full[e].contiguous())), f"{base}.{e}.{proj}.weight"

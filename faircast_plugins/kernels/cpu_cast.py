@@ -1,0 +1,294 @@
+"""The ``cpu`` backend: ROUNDING.md as a fused, multithreaded numba loop over CPU tensors.
+
+Needs the optional extra ``faircast-plugins[cpu]`` (numba); importing this module without numba raises
+ImportError, and :mod:`faircast_plugins.cast` then falls back to the torch reference.
+
+Design (``stochastic``): the tensor is walked in blocks of ``BLOCK_GROUPS`` Philox groups (8 elements each,
+aligned to the *global* index, so any offset works), one block per parallel iteration. Per block:
+
+1. Philox4x32-10 for every group of the block, straight-line, no branches. LLVM vectorizes the loop across
+   groups (4 groups per AVX2 register, 64-bit lanes, ``vpmuludq`` for the 32x32->64 products); the loop body
+   computes two groups half a block apart so that two independent dependency chains are in flight. The four
+   output words of group ``t`` are stored at ``noise[4t : 4t+4]``; read as little-endian uint16 that buffer is
+   exactly the per-element noise in element order (element ``8t + lane`` uses half ``lane & 1`` of word
+   ``lane >> 1``). The buffer stays in L1.
+2. The rounding. If no element of the block has ``|u| > 0x7F7F0000`` (true for any real weight), the
+   sign-magnitude rule equals the two's-complement ``(u + noise) >> 16`` (no carry can reach the sign bit or
+   pass bf16 max), which vectorizes to a few instructions per 8 elements. Otherwise the full branchless rule
+   (saturation, inf, quiet NaN) runs for that block.
+
+``nearest`` and ``error_feedback`` are element-wise integer rules (plus IEEE fp32 add/sub for EF, fastmath off,
+so there is no contraction and no reassociation). Each mode has a multithreaded kernel and a serial twin for
+tensors below ``PARALLEL_MIN_NUMEL``. All kernels are compiled lazily on first use and cached on disk
+(``cache=True``), and release the GIL; one lock serializes calls because numba's fallback threading layer is not
+reentrant.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError as exc:  # pragma: no cover - exercised only where numba is absent
+    raise ImportError(
+        "the 'cpu' Fair Cast backend needs numba: pip install 'faircast-plugins[cpu]' (or use backend='torch')"
+    ) from exc
+
+import numpy as np
+import torch
+
+__all__ = ["cast_many", "BLOCK_GROUPS"]
+
+# Philox groups per parallel block: 2,048 elements, so x (8 KB), the noise (4 KB) and out (4 KB) stay in L1.
+# A power of two, so an aligned block never straddles a 2**32 boundary of the group counter.
+BLOCK_GROUPS = 256
+assert BLOCK_GROUPS & (BLOCK_GROUPS - 1) == 0
+
+_M32 = np.uint64(0xFFFFFFFF)
+_M0 = np.uint64(0xD2511F53)
+_M1 = np.uint64(0xCD9E8D57)
+_W0 = 0x9E3779B9
+_W1 = 0xBB67AE85
+_S32 = np.uint64(32)
+
+_U16 = np.uint32(16)
+_MAG = np.uint32(0x7FFFFFFF)
+_SIGN16 = np.uint32(0x8000)
+_INF = np.uint32(0x7F800000)
+_BF16_MAX = np.uint32(0x7F7F)
+_FAST_LIMIT = np.uint32(0x7F7F0000)  # up to this |u| the two's-complement add needs no saturation
+_QUIET = np.uint32(0x0040)
+_ZERO32 = np.uint32(0)
+_ONE32 = np.uint32(1)
+_HALF_ULP = np.uint32(0x7FFF)
+
+
+# ---------------------------------------------------------------------------------------------- Philox4x32-10
+
+
+@njit(inline="always")
+def _round(c0, c1, c2, c3, k0, k1):
+    # Masking the multiplicands tells LLVM the products are 32x32->64 (one vpmuludq each). The low words may
+    # carry garbage above bit 31: they only feed XORs whose results are masked again before the next multiply.
+    # (c1 ^ k0) is off the multiply's critical path.
+    p0 = (c0 & _M32) * _M0
+    p1 = (c2 & _M32) * _M1
+    return (c1 ^ k0) ^ (p1 >> _S32), p1, (c3 ^ k1) ^ (p0 >> _S32), p0
+
+
+@njit(inline="always")
+def _philox10(c0, c1, ks):
+    """Philox4x32-10 of counter (c0, c1, 0, 0) under the round keys ``ks`` (k0 schedule, then k1 schedule)."""
+    c2 = np.uint64(0)
+    c3 = np.uint64(0)
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[0], ks[10])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[1], ks[11])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[2], ks[12])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[3], ks[13])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[4], ks[14])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[5], ks[15])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[6], ks[16])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[7], ks[17])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[8], ks[18])
+    c0, c1, c2, c3 = _round(c0, c1, c2, c3, ks[9], ks[19])
+    return c0, c1, c2, c3
+
+
+@njit(inline="always")
+def _store_words(noise, t, c0, c1, c2, c3):
+    noise[4 * t] = np.uint32(c0 & _M32)
+    noise[4 * t + 1] = np.uint32(c1 & _M32)
+    noise[4 * t + 2] = np.uint32(c2 & _M32)
+    noise[4 * t + 3] = np.uint32(c3 & _M32)
+
+
+@njit(inline="always")
+def _philox_block(noise, g_lo, g_hi, m, ks):
+    """Philox words of groups ``g .. g+m-1`` (``g = g_hi * 2**32 + g_lo``, no carry into ``g_hi`` inside a block)
+    into ``noise[0 : 4m]``; two independent chains per iteration. With ``g_hi`` fixed, round 1's ``c0`` and
+    round 2's first product are loop-invariant, so LLVM hoists them."""
+    h = m >> 1
+    for t in range(h):
+        a0, a1, a2, a3 = _philox10(np.uint64(g_lo + t), g_hi, ks)
+        b0, b1, b2, b3 = _philox10(np.uint64(g_lo + h + t), g_hi, ks)
+        _store_words(noise, t, a0, a1, a2, a3)
+        _store_words(noise, h + t, b0, b1, b2, b3)
+    for t in range(2 * h, m):
+        c0, c1, c2, c3 = _philox10(np.uint64(g_lo + t), g_hi, ks)
+        _store_words(noise, t, c0, c1, c2, c3)
+
+
+# ---------------------------------------------------------------------------------------------- rounding rules
+
+
+# numba widens integer arithmetic to 64 bits; wrapping every intermediate in _U32 lets LLVM keep 32-bit lanes
+# (8 elements per AVX2 register instead of 4).
+_U32 = np.uint32
+
+
+@njit(inline="always")
+def _nonfinite_hi(mag):
+    # inf keeps 0x7F80; NaN keeps its top payload and gets the quiet bit
+    return _U32(_U32(mag >> _U16) | (_QUIET if mag > _INF else _ZERO32))
+
+
+@njit(inline="always")
+def _stochastic_bits(u, noise):
+    mag = _U32(u & _MAG)
+    finite = min(_U32(_U32(mag + noise) >> _U16), _BF16_MAX)
+    hi = _nonfinite_hi(mag) if mag >= _INF else finite
+    return _U32(_U32(_U32(u >> _U16) & _SIGN16) | hi)
+
+
+@njit(inline="always")
+def _nearest_bits(u):
+    mag = _U32(u & _MAG)
+    rne = _U32(_U32(mag + _U32(_HALF_ULP + _U32(_U32(mag >> _U16) & _ONE32))) >> _U16)  # overflow and inf -> inf
+    hi = _nonfinite_hi(mag) if mag > _INF else rne
+    return _U32(_U32(_U32(u >> _U16) & _SIGN16) | hi)
+
+
+@njit(inline="always")
+def _round_block(out, xu, noise):
+    biggest = _ZERO32
+    for j in range(xu.size):
+        biggest = max(biggest, _U32(xu[j] & _MAG))
+    if biggest <= _FAST_LIMIT:  # no NaN, inf or near-max value: the two's-complement add is exact
+        for j in range(xu.size):
+            out[j] = np.uint16(_U32(xu[j] + noise[j]) >> _U16)
+    else:
+        for j in range(xu.size):
+            out[j] = np.uint16(_stochastic_bits(xu[j], noise[j]))
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@njit(inline="always")
+def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words):
+    """Cast the elements of the aligned block of groups ``g_block .. g_block+BLOCK_GROUPS-1`` that lie in ``xu``."""
+    n = xu.size
+    g0 = max(g_block, g_first)
+    g1 = min(g_block + BLOCK_GROUPS, g_end)
+    _philox_block(words, np.uint64(g0 & 0xFFFFFFFF), np.uint64(g0 >> 32), g1 - g0, ks)
+    noise = words.view(np.uint16)  # global element 8*g0 + k uses noise[k]
+    # this block's elements as local indices [lo, hi); differences first, as 8*g1 alone may not fit in int64
+    head = 8 * g0 - offset  # in [-7, n)
+    lo = max(head, 0)
+    hi = min(8 * (g1 - g0) + head, n)
+    _round_block(out[lo:hi], xu[lo:hi], noise[lo - head : hi - head])
+
+
+@njit(inline="always")
+def _block_range(n, offset):
+    g_first = offset >> 3
+    g_end = ((offset + n - 1) >> 3) + 1  # offset + n may be 2**63 exactly: no "+ 7"
+    b_first = g_first // BLOCK_GROUPS  # blocks are aligned in group space, so none straddles a 2**32 boundary
+    return g_first, g_end, b_first, (g_end - 1) // BLOCK_GROUPS + 1 - b_first
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _stochastic_kernel(out, xu, ks, offset):
+    g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
+    for b in prange(n_blocks):
+        words = np.empty(4 * BLOCK_GROUPS, np.uint32)  # hoisted: one buffer per thread
+        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words)
+
+
+@njit(cache=True, nogil=True)
+def _stochastic_kernel_serial(out, xu, ks, offset):
+    g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
+    words = np.empty(4 * BLOCK_GROUPS, np.uint32)
+    for b in range(n_blocks):
+        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words)
+
+
+@njit(inline="always")
+def _error_feedback_element(out, x, residual, i):
+    s = x[i] + residual[i]  # fp32 + fp32, IEEE round-to-nearest (fastmath is off)
+    u = np.float32(s).view(np.uint32)
+    q = _nearest_bits(u)
+    e = s - np.uint32(q << _U16).view(np.float32)  # exact
+    residual[i] = e if (u & _MAG) < _INF else np.float32(0.0)
+    out[i] = np.uint16(q)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _nearest_kernel(out, xu):
+    for i in prange(xu.size):
+        out[i] = np.uint16(_nearest_bits(xu[i]))
+
+
+@njit(cache=True, nogil=True)
+def _nearest_kernel_serial(out, xu):
+    for i in range(xu.size):
+        out[i] = np.uint16(_nearest_bits(xu[i]))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _error_feedback_kernel(out, x, residual):
+    for i in prange(x.size):
+        _error_feedback_element(out, x, residual, i)
+
+
+@njit(cache=True, nogil=True)
+def _error_feedback_kernel_serial(out, x, residual):
+    for i in range(x.size):
+        _error_feedback_element(out, x, residual, i)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+
+
+def round_keys(key: int) -> np.ndarray:
+    """The 10 Philox round keys of ``key``: ``[k0 + r*W0 for r in 0..9] + [k1 + r*W1 for r in 0..9]`` mod 2**32."""
+    k0, k1 = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+    return np.array([(k0 + r * _W0) & 0xFFFFFFFF for r in range(10)] + [(k1 + r * _W1) & 0xFFFFFFFF for r in range(10)],
+                    dtype=np.uint64)
+
+
+def _numpy(t: torch.Tensor, dtype: torch.dtype, np_dtype) -> np.ndarray:
+    """Zero-copy numpy view of a flat contiguous CPU tensor's bits."""
+    if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"the cpu backend takes flat contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
+    return t.detach().view(dtype).numpy().view(np_dtype)
+
+
+_LOCK = threading.Lock()
+
+# Below this many elements a tensor is cast on the calling thread: waking the worker threads costs more than it
+# saves (microseconds on an idle machine, milliseconds on a busy one), and a model has hundreds of small tensors.
+PARALLEL_MIN_NUMEL = 1 << 18
+
+_KERNELS = {  # mode -> (serial, parallel)
+    "stochastic": (_stochastic_kernel_serial, _stochastic_kernel),
+    "nearest": (_nearest_kernel_serial, _nearest_kernel),
+    "error_feedback": (_error_feedback_kernel_serial, _error_feedback_kernel),
+}
+
+
+def cast_many(items: Sequence, mode: str) -> None:
+    """Cast every :class:`faircast_plugins.cast.CastItem` in place (``item.out``, and ``item.residual`` for EF).
+
+    Bit-identical to :mod:`faircast_plugins.torch_ref` for every input. Uses at most
+    ``torch.get_num_threads()`` threads, like the torch ops around it.
+    """
+    if mode not in _KERNELS:
+        raise ValueError(f"unknown Fair Cast mode {mode!r}")
+    with _LOCK:
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        for item in items:
+            if item.x.dtype != torch.float32 or item.out.dtype != torch.bfloat16 or item.out.numel() != item.x.numel():
+                raise TypeError("the cpu backend casts fp32 x into a bf16 out of the same size")
+            kernel = _KERNELS[mode][item.x.numel() >= PARALLEL_MIN_NUMEL]
+            out = _numpy(item.out, torch.int16, np.uint16)
+            if mode == "stochastic":
+                kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset)
+            elif mode == "nearest":
+                kernel(out, _numpy(item.x, torch.int32, np.uint32))
+            else:
+                if item.residual is None or item.residual.dtype != torch.float32 or item.residual.numel() != item.x.numel():
+                    raise ValueError("error_feedback needs an fp32 residual the size of x")
+                kernel(out, _numpy(item.x, torch.float32, np.float32), _numpy(item.residual, torch.float32, np.float32))

@@ -1,0 +1,29 @@
+"""``faircast bench`` runs end to end on a small size (nothing here is timed or compared against a speed)."""
+from faircast_plugins import bench
+from faircast_plugins.cli import main
+
+
+def test_bench_prints_every_case_and_checks_bits(capsys):
+    assert main(["bench", "--numel", "40000", "--ref-numel", "10000", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    for label in (".to(torch.bfloat16)", "out.copy_(x), preallocated", "fair_cast stochastic     cpu",
+                  "fair_cast nearest        cpu", "fair_cast error_feedback cpu", "reference: timed on 10,000, x4"):
+        assert label in out, label
+    assert out.count("bit-identical vs torch reference") == 3 and "MISMATCH" not in out
+    assert "repetition 2/2 done" in out
+
+
+def test_bench_check_reports_a_mismatch(monkeypatch):
+    # negative control: a backend that returns the plain round-to-nearest cast must be flagged
+    import torch
+
+    real = bench.fair_cast
+
+    def wrong(x, *, backend, mode, **kw):
+        if backend == "cpu" and mode == "stochastic":
+            return x.to(torch.bfloat16)
+        return real(x, backend=backend, mode=mode, **kw)
+
+    monkeypatch.setattr(bench, "fair_cast", wrong)
+    line = bench._check("cpu", "stochastic", torch.randn(5000), key=3)
+    assert "MISMATCH" in line

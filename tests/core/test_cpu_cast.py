@@ -1,0 +1,346 @@
+"""The numba ``cpu`` backend, bit for bit against ROUNDING.md and the torch reference.
+
+numba is installed in tests-core, so this module imports the kernel unconditionally: a missing or broken numba
+is a collection error here, never a silent skip. Nothing is timed.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from faircast_plugins import derive_key, fair_cast, fair_cast_many, golden
+from faircast_plugins.cast import CastItem, resolve_backend
+from faircast_plugins.kernels import cpu_cast
+
+K = golden.KEY_K[3]
+KEYS = [0, K, derive_key(7, 0, "lm_head.weight"), 2**63 - 1, 2**64 - 1]
+# offsets: aligned, unaligned heads, the 2**31 / 2**32 element and group boundaries, far beyond 2**32
+OFFSETS = [0, 1, 5, 7, 8, 13, 2**31 - 3, 2**32 - 5, 2**32 + 3, 8 * 2**32 - 21, 2**40 + 1, 2**62 + 5]
+BLOCK = 8 * cpu_cast.BLOCK_GROUPS  # elements per parallel block of the kernel
+
+
+@pytest.fixture(autouse=True, params=["serial", "parallel"])
+def kernel_path(request, monkeypatch):
+    """Run every test through both kernels: the calling-thread one (small tensors) and the multithreaded one."""
+    monkeypatch.setattr(cpu_cast, "PARALLEL_MIN_NUMEL", 2**62 if request.param == "serial" else 0)
+    return request.param
+
+
+def bits(t):
+    return t.reshape(-1).view(torch.int16)
+
+
+def cpu(x, key=K, offset=0, mode="stochastic", residual=None, **kw):
+    return fair_cast(x, key=key, offset=offset, mode=mode, residual=residual, backend="cpu", **kw)
+
+
+def ref(x, key=K, offset=0, mode="stochastic", residual=None):
+    return fair_cast(x, key=key, offset=offset, mode=mode, residual=residual, backend="torch")
+
+
+def from_bits(values):
+    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def assert_same(a, b):
+    diff = (bits(a) != bits(b)).nonzero().flatten()
+    assert diff.numel() == 0, f"{diff.numel()} of {a.numel()} differ, first at {diff[:5].tolist()}"
+
+
+SPECIALS = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFF800001, 0x7FC00000, 0xFFFFFFFF,
+            0x7FFFFFFF, 0x7FBFFFFF, 0x7F80FFFF, 0x7F810000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F0001, 0x7F7F0000,
+            0x7F7F8000, 0x7F7EFFFF, 0x00000001, 0x80000001, 0x007FFFFF, 0x00800000, 0x0000FFFF, 0x00010000,
+            0x3F800000, 0x3F808000, 0x3F818000, 0xBF808000, 0x3F7FFFFF, 0x4049FFFF]
+
+
+def mixed(n, seed=0):
+    """Normals at several scales, subnormals, uniform random bit patterns (NaNs included) and the specials."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=g) * s for s in (1.0, 1e-3, 3e4, 1e-39, 1e38)]
+    parts.append(torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32))
+    parts.append(from_bits(SPECIALS * (n // len(SPECIALS) + 1))[:n])
+    x = torch.stack(parts, dim=1).reshape(-1)  # interleaved, so specials land in every block
+    return x[torch.randperm(x.numel(), generator=g)]
+
+
+# ---------------------------------------------------------------------------------------------- availability
+
+
+def test_auto_picks_the_numba_kernel_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+def test_each_path_runs_its_own_kernel(kernel_path, monkeypatch):
+    ran = []
+    for mode, pair in list(cpu_cast._KERNELS.items()):
+        spies = tuple((lambda k, name: (lambda *a: (ran.append(name), k(*a))))(k, f"{mode}/{i}") for i, k in enumerate(pair))
+        monkeypatch.setitem(cpu_cast._KERNELS, mode, spies)
+    x = torch.randn(100)
+    cpu(x)
+    cpu(x, mode="nearest")
+    cpu(x, mode="error_feedback", residual=torch.zeros(100))
+    i = 1 if kernel_path == "parallel" else 0
+    assert ran == [f"stochastic/{i}", f"nearest/{i}", f"error_feedback/{i}"]
+
+
+def test_kernels_are_disk_cached_and_not_fastmath():
+    for kernel in (k for pair in cpu_cast._KERNELS.values() for k in pair):
+        assert kernel.targetoptions.get("cache") is not False
+        assert type(kernel._cache).__name__ != "NullCache", "cache=True was dropped"
+        assert not kernel.targetoptions.get("fastmath"), "fastmath would break EF bit-identity"
+
+
+def test_missing_numba_is_a_clean_import_error_and_torch_takes_over():
+    code = (
+        "import sys; sys.modules['numba'] = None\n"
+        "import faircast_plugins, torch\n"
+        "from faircast_plugins.cast import available_backends, resolve_backend\n"
+        "try:\n"
+        "    from faircast_plugins.kernels import cpu_cast\n"
+        "except ImportError as e:\n"
+        "    assert 'faircast-plugins[cpu]' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('imported without numba')\n"
+        "assert 'cpu' not in available_backends()\n"
+        "assert resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the contract
+
+
+def test_golden_table():
+    x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN)
+    assert golden.bf16_bits(cpu(x)) == golden.STOCHASTIC_K_OUT
+    assert golden.bf16_bits(cpu(x.view(4, 4))) == golden.STOCHASTIC_K_OUT
+    # negative control: another key or a shifted offset does not reproduce the table
+    assert golden.bf16_bits(cpu(x, key=K ^ 1)) != golden.STOCHASTIC_K_OUT
+    assert golden.bf16_bits(cpu(x, offset=8)) != golden.STOCHASTIC_K_OUT
+
+
+@pytest.mark.parametrize("cut", [1, 5, 8, 13])
+def test_golden_table_as_two_shards(cut):
+    x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN)
+    parts = cpu(x[:cut]), cpu(x[cut:], offset=cut)
+    assert golden.bf16_bits(torch.cat(parts)) == golden.STOCHASTIC_K_OUT
+
+
+def _noise_through_the_kernel(key, start, n):
+    """Recover each element's 16-bit noise from the cast alone: 1 + f*2**-23 rounds up iff f >= 65536 - noise."""
+    lo = torch.zeros(n, dtype=torch.int64)  # smallest f known to round up lies in (lo, hi]
+    hi = torch.full((n,), 65536, dtype=torch.int64)
+    lo -= 1
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        x = from_bits((0x3F800000 + mid.clamp(0, 65535)).tolist())
+        up = bits(cpu(x, key=key, offset=start)).to(torch.int64) == 0x3F81
+        up &= mid <= 65535
+        hi = torch.where(up, mid, hi)
+        lo = torch.where(up, lo, mid)
+    return (65536 - hi).tolist()
+
+
+@pytest.mark.parametrize("start,want", golden.NOISE_K)
+def test_golden_noise(start, want):
+    assert _noise_through_the_kernel(K, start, len(want)) == want
+
+
+def test_philox_known_answer_key_zero():
+    # Random123 / tl.randint4x(0, 0) = 6627e8d5 e169c58d bc57ac4c 9b00dbd8, read as 8 16-bit lanes
+    assert _noise_through_the_kernel(0, 0, 8) == [0xE8D5, 0x6627, 0xC58D, 0xE169, 0xAC4C, 0xBC57, 0xDBD8, 0x9B00]
+
+
+def test_specials_table():
+    x = from_bits(SPECIALS)
+    want = {0x00000000: 0x0000, 0x80000000: 0x8000, 0x7F800000: 0x7F80, 0xFF800000: 0xFF80, 0x7F800001: 0x7FC0,
+            0xFF800001: 0xFFC0, 0xFFFFFFFF: 0xFFFF, 0x7F7FFFFF: 0x7F7F, 0xFF7FFFFF: 0xFF7F, 0x7F7F0001: 0x7F7F,
+            0x7FBFFFFF: 0x7FFF, 0x3F800000: 0x3F80}
+    for key in KEYS:
+        for offset in (0, 3, 2**32 + 1):
+            out = golden.bf16_bits(cpu(x, key=key, offset=offset))
+            for i, u in enumerate(SPECIALS):
+                if u in want:
+                    assert out[i] == want[u], (hex(u), hex(out[i]), key, offset)
+            assert_same(cpu(x, key=key, offset=offset), ref(x, key=key, offset=offset))
+
+
+def test_every_bf16_exact_value_is_unchanged():
+    hi = torch.arange(65536, dtype=torch.int64)
+    x = from_bits((hi << 16).tolist())
+    nan = ((hi & 0x7FFF) > 0x7F80)
+    want = torch.where(nan, hi | 0x0040, hi).to(torch.int16)
+    for key in (0, K, 2**63 - 1):
+        for offset in (0, 5, 2**32 + 3):
+            assert torch.equal(bits(cpu(x, key=key, offset=offset)), want)
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_mixed_values_match_reference(offset):
+    x = mixed(1500, seed=offset % 1000)
+    for key in (K, 2**64 - 1):
+        got = cpu(x, key=key, offset=offset)
+        assert_same(got, ref(x, key=key, offset=offset))
+        # negative control: the comparison sees an off-by-one global index
+        assert (bits(got) != bits(ref(x, key=key, offset=offset + 1))).float().mean() > 0.1
+
+
+def test_sampled_bit_patterns_match_reference():
+    x = from_bits(list(range(0, 2**32, 65521)))  # 65,551 patterns over the whole 32-bit space
+    for key, offset in ((K, 0), (0, 2**32 + 7)):
+        assert_same(cpu(x, key=key, offset=offset), ref(x, key=key, offset=offset))
+
+
+@pytest.mark.parametrize("n", list(range(1, 18)) + [BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])
+@pytest.mark.parametrize("offset", [0, 3, 7, BLOCK - 3, 2**32 - 1])
+def test_head_tail_and_block_edges(n, offset):
+    x = mixed(n // 7 + 1, seed=n)[:n]
+    assert_same(cpu(x, offset=offset), ref(x, offset=offset))
+
+
+def test_block_across_the_2_32_group_boundary():
+    # group index 2**32 starts at element 8 * 2**32: blocks around it must carry the counter's high word
+    n = 5 * BLOCK + 77
+    x = mixed(n // 7 + 1, seed=3)[:n]
+    for offset in (8 * 2**32 - 2 * BLOCK - 5, 8 * 2**32 - 1, 8 * 2**32):
+        assert_same(cpu(x, offset=offset), ref(x, offset=offset))
+
+
+@pytest.mark.parametrize("n", [1, 8, 100, BLOCK + 3])
+def test_last_indices_below_2_63(n):
+    x = mixed(n // 7 + 1, seed=n)[:n]
+    offset = 2**63 - n  # the largest global index the API accepts is 2**63 - 1
+    assert_same(cpu(x, offset=offset), ref(x, offset=offset))
+
+
+def test_fast_and_full_paths_agree_per_block():
+    # ordinary weights take the add-and-shift path; one NaN or near-max value sends only its block down the full path
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6 * BLOCK, generator=g)
+    x[BLOCK + 17] = float("nan")
+    x[3 * BLOCK + 1] = 3.3e38
+    x[5 * BLOCK - 1] = from_bits([0xFF7F0001])[0]  # just past the fast path's limit, negative, finite
+    for offset in (0, 11):
+        assert_same(cpu(x, offset=offset), ref(x, offset=offset))
+
+
+@pytest.mark.parametrize("cuts", [(1,), (7,), (8,), (4999,), (1, 2048, 2049, 10006)])
+def test_shard_invariance(cuts):
+    x = mixed(2000, seed=9)[:12000]
+    base = 2**32 - 6001
+    whole = cpu(x, offset=base)
+    bounds = [0, *cuts, x.numel()]
+    parts = [cpu(x[a:b].clone(), offset=base + a) for a, b in zip(bounds, bounds[1:])]
+    assert_same(torch.cat(parts), whole)
+    assert_same(whole, ref(x, offset=base))
+
+
+def test_thread_count_does_not_change_bits():
+    x = mixed(40000, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu(x, offset=5)
+    finally:
+        torch.set_num_threads(before)
+    assert_same(one, cpu(x, offset=5))
+
+
+def test_stochastic_is_not_nearest():
+    x = torch.randn(10000, generator=torch.Generator().manual_seed(4))
+    sr, rn = cpu(x), cpu(x, mode="nearest")
+    changed = (bits(sr) != bits(rn)).float().mean()
+    assert 0.2 < changed < 0.3  # E[min(frac, 1 - frac)] = 1/4 of the values round the other way
+
+
+# ---------------------------------------------------------------------------------------------- nearest, EF
+
+
+def test_nearest_matches_reference_and_plain_cast():
+    x = torch.cat([mixed(3000, seed=6), from_bits(list(range(0x7F7F7FF0, 0x7F7F8010)) + [0x3F808000, 0x3F818000])])
+    assert_same(cpu(x, mode="nearest"), ref(x, mode="nearest"))
+    finite = x[torch.isfinite(x)]
+    assert_same(cpu(finite, mode="nearest"), finite.to(torch.bfloat16))  # incl. ties to even and overflow to inf
+    assert golden.bf16_bits(cpu(from_bits([0x7F800001, 0xFFFFFFFF]), mode="nearest")) == [0x7FC0, 0xFFFF]
+
+
+def test_error_feedback_matches_reference_over_steps():
+    g = torch.Generator().manual_seed(8)
+    x = mixed(2000, seed=8)
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    r_cpu = torch.randn(x.shape, generator=g) * 1e-4
+    r_cpu[:50] = float("inf")  # s not finite -> residual reset to 0
+    r_ref = r_cpu.clone()
+    for step in range(4):
+        x = x + torch.randn(x.shape, generator=g) * 1e-5
+        q_cpu = cpu(x, mode="error_feedback", residual=r_cpu)
+        q_ref = ref(x, mode="error_feedback", residual=r_ref)
+        assert_same(q_cpu, q_ref)
+        assert torch.equal(r_cpu.view(torch.int32), r_ref.view(torch.int32)), f"residual differs at step {step}"
+        if step == 0:
+            assert bool((r_cpu[:50] == 0).all()) and bool(r_cpu[50:].ne(0).any())
+
+
+def test_error_feedback_is_exact_and_keeps_subnormals():
+    x = from_bits([0x00000003, 0x80000005, 0x00800001, 0x3F808001, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x00000000])
+    r = from_bits([0x00000001, 0x00000001, 0x80000002, 0x00000000, 0x7F000000, 0x3F800000, 0x00000000, 0x80000000])
+    s = x + r
+    q = cpu(x, mode="error_feedback", residual=r)
+    finite = torch.isfinite(s)
+    assert torch.equal((q.float() + r)[finite], s[finite])  # q + r' == x + r exactly where s is finite
+    assert bool((r[~finite] == 0).all())
+    assert r[0].item() != 0.0  # a subnormal residual survives (no flush-to-zero)
+    assert golden.bf16_bits(q)[6] == 0x7FC0
+
+
+# ---------------------------------------------------------------------------------------------- batches, views
+
+
+def test_fair_cast_many_matches_per_item_reference():
+    g = torch.Generator().manual_seed(10)
+    xs = [mixed(n // 7 + 1, seed=n)[:n] for n in (1, 9, 2048, 5000, 33333)]
+    keys = [derive_key(1, 2, f"p{i}") for i in range(len(xs))]
+    offs = [0, 3, 2**32 + 5, 17, 2**40 + 1]
+    for got, x, key, off in zip(fair_cast_many(xs, keys=keys, offsets=offs, backend="cpu"), xs, keys, offs):
+        assert_same(got, ref(x, key=key, offset=off))
+    rs = [torch.randn(x.shape, generator=g) * 1e-3 for x in xs]
+    rs_ref = [r.clone() for r in rs]
+    xs = [torch.where(torch.isfinite(x), x, torch.ones_like(x)) for x in xs]
+    got = fair_cast_many(xs, keys=keys, mode="error_feedback", residuals=rs, backend="cpu")
+    want = fair_cast_many(xs, keys=keys, mode="error_feedback", residuals=rs_ref, backend="torch")
+    for a, b, r, rr in zip(got, want, rs, rs_ref):
+        assert_same(a, b)
+        assert torch.equal(r, rr)
+
+
+def test_cast_many_writes_in_place_through_views():
+    big = torch.randn(10000)
+    x = big[37:9037]  # contiguous view at a storage offset
+    out_store = torch.zeros(9100, dtype=torch.bfloat16)
+    out = out_store[50:9050]
+    cpu_cast.cast_many([CastItem(out, x, K, 2**32 + 1)], "stochastic")
+    assert_same(out, ref(x.clone(), offset=2**32 + 1))
+    assert bool((bits(out_store[:50]) == 0).all()) and bool((bits(out_store[9050:]) == 0).all())
+
+
+def test_parameter_with_grad_and_preallocated_out():
+    p = torch.nn.Parameter(torch.randn(64, 33))
+    out = torch.empty(64, 33, dtype=torch.bfloat16)
+    got = cpu(p, out=out, offset=9)
+    assert got.data_ptr() == out.data_ptr()
+    assert_same(out, ref(p.detach(), offset=9))
+
+
+def test_cast_many_rejects_bad_items():
+    x = torch.randn(16)
+    with pytest.raises(ValueError, match="flat contiguous"):
+        cpu_cast.cast_many([CastItem(torch.empty(4, 4, dtype=torch.bfloat16), x.view(4, 4), 0)], "stochastic")
+    with pytest.raises(TypeError, match="fp32 x into a bf16 out"):
+        cpu_cast.cast_many([CastItem(torch.empty(16, dtype=torch.float16), x, 0)], "stochastic")
+    with pytest.raises(ValueError, match="needs an fp32 residual"):
+        cpu_cast.cast_many([CastItem(torch.empty(16, dtype=torch.bfloat16), x, 0)], "error_feedback")
+    with pytest.raises(ValueError, match="unknown Fair Cast mode"):
+        cpu_cast.cast_many([CastItem(torch.empty(16, dtype=torch.bfloat16), x, 0)], "dither")

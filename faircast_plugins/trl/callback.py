@@ -64,6 +64,10 @@ class FairCastCallback(TrainerCallback):
             )
         return params
 
+    def check_model(self) -> None:
+        """Raise a clear ``TypeError`` unless every floating-point parameter of the policy is fp32."""
+        self._collect()
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.params = self._collect()
         restored = self._load_state(self.resume_dir) if self.resume_dir else False

@@ -63,7 +63,7 @@ def _check_args(trainer_name: str, args: Any) -> None:
             f"Fair Cast with DeepSpeed in TRL is not supported yet: DeepSpeed keeps the fp32 master inside its "
             f"optimizer and copies it back with round-to-nearest. Run without DeepSpeed, or without faircast."
         )
-    if getattr(args, "fsdp", None) or getattr(args, "fsdp_config", {}) and (args.fsdp_config or {}).get("fsdp_version"):
+    if getattr(args, "fsdp", None):
         raise FairCastUnsupportedError(
             "Fair Cast with FSDP in TRL is not supported yet (the FSDP cast-site patches have not been wired and "
             "run with TRL). Run without FSDP, or without faircast."
@@ -99,6 +99,7 @@ def _trainer_init(trainer_name: str):
                 return
             _check_trainer(trainer_name, self)
             callback = FairCastCallback(self, cfg)
+            callback.check_model()  # fp32 masters: fail now, not after the first generation
             self._faircast = callback
             self.add_callback(callback)
             generation = getattr(self, "vllm_generation", None)

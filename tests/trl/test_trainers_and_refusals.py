@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
 from conftest import cat_reward

@@ -7,7 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,34 +81,15 @@ def test_unsupported_trl_version_is_refused(monkeypatch):
         patches.build_patch_set().check()
 
 
-def write_cli_setup(tmp_path, tiny_model_dir, extra_yaml=""):
-    data = tmp_path / "data"
-    data.mkdir()
-    prompts = ["the cat", "a dog", "hello", "once upon"] * 8
-    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    (tmp_path / "fc_rewards.py").write_text(textwrap.dedent("""
-        def cat_reward(completions, **kwargs):
-            return [min(c.count("cat"), 4) - 0.01 * len(c) for c in completions]
-    """))
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(textwrap.dedent(f"""
-        model_name_or_path: {tiny_model_dir}
-        dataset_name: {data}
-        reward_funcs: [fc_rewards.cat_reward]
-        output_dir: {tmp_path / 'out'}
-        use_cpu: true
-        per_device_train_batch_size: 4
-        num_generations: 4
-        max_completion_length: 8
-        max_steps: 2
-        logging_steps: 1
-        save_strategy: "no"
-        report_to: none
-        beta: 0.0
-    """) + extra_yaml)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
-    return cfg, env
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "trl"
+
+
+def example_setup(tmp_path, tiny_model_dir):
+    """Run from a folder where ``tiny`` is the tiny model, as examples/trl/grpo_tiny.yaml expects."""
+    os.symlink(tiny_model_dir, tmp_path / "tiny")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return EXAMPLES / "grpo_tiny.yaml", env
 
 
 def faircast_trl_exe():
@@ -119,19 +100,19 @@ def faircast_trl_exe():
 
 
 def test_faircast_trl_cli_runs_grpo_with_yaml_flag(tmp_path, tiny_model_dir):
-    cfg, env = write_cli_setup(tmp_path, tiny_model_dir, "faircast: true\nfaircast_audit: true\n")
+    cfg, env = example_setup(tmp_path, tiny_model_dir)  # the example YAML has faircast: true
     run = subprocess.run(
         [faircast_trl_exe(), "grpo", "--config", str(cfg), "--faircast_mode", "error_feedback",
          "--num_processes", "1"],
-        env=env, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    out = tmp_path / "out"
+    out = tmp_path / "tiny-GRPO"
     info = json.loads((out / "faircast.json").read_text())
-    assert info == {"enabled": True, "mode": "error_feedback", "seed": 0, "version": 2, "ema_decay": 0.0,
+    assert info == {"enabled": True, "mode": "error_feedback", "seed": 0, "version": 4, "ema_decay": 0.0,
                     "model_weights": "fp32 masters"}
     state = torch.load(out / "faircast_state.pt", weights_only=True)
-    assert state["version"] == 2 and state["error_feedback"]
+    assert state["version"] == 4 and state["error_feedback"]
     assert "Fair Cast ACTIVE for TRL 1.16.0" in run.stderr + run.stdout
     assert "faircast/lag_steps" in run.stdout + run.stderr  # the child's TRL logs carry the audit metrics
 
@@ -141,8 +122,17 @@ def test_plain_trl_cli_rejects_the_flag_without_the_wrapper(tmp_path, tiny_model
     trl_exe = shutil.which("trl", path=os.path.dirname(sys.executable))
     if trl_exe is None:
         pytest.skip("the trl console script is not installed")
-    cfg, env = write_cli_setup(tmp_path, tiny_model_dir, "faircast: true\n")
-    run = subprocess.run([trl_exe, "grpo", "--config", str(cfg), "--num_processes", "1"], env=env,
+    cfg, env = example_setup(tmp_path, tiny_model_dir)
+    run = subprocess.run([trl_exe, "grpo", "--config", str(cfg), "--num_processes", "1"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode != 0
     assert "faircast" in run.stderr
+
+
+def test_example_script_runs_on_cpu(tmp_path, tiny_model_dir):
+    """examples/trl/grpo.py --tiny: TRL's quickstart plus faircast=True, on the tiny model."""
+    _, env = example_setup(tmp_path, tiny_model_dir)
+    run = subprocess.run([sys.executable, str(EXAMPLES / "grpo.py"), "--tiny", "tiny"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "Fair Cast ACTIVE for TRL" in run.stderr and "faircast/lag_steps" in run.stdout + run.stderr

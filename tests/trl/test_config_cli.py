@@ -122,6 +122,10 @@ def test_plain_trl_cli_rejects_the_flag_without_the_wrapper(tmp_path, tiny_model
     trl_exe = shutil.which("trl", path=os.path.dirname(sys.executable))
     if trl_exe is None:
         pytest.skip("the trl console script is not installed")
+    import sysconfig
+
+    if os.path.exists(os.path.join(sysconfig.get_paths()["purelib"], "faircast_trl_hook.pth")):
+        pytest.skip("the opt-in faircast_trl_hook is installed in this environment, so plain trl knows the flag")
     cfg, env = example_setup(tmp_path, tiny_model_dir)
     run = subprocess.run([trl_exe, "grpo", "--config", str(cfg), "--num_processes", "1"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)

@@ -85,9 +85,11 @@ class FairCastCallback(TrainerCallback):
                 f"resumes at step {state.global_step}"
             )
         with torch.no_grad():
-            if self.shadow:
+            if self.shadow and (restored or self.resume_dir or not self.masters):
                 self.masters = {n: p.detach().clone() for n, p in self.params.items()}
+            # else: a second train() on this trainer keeps its masters (the params hold the served copy)
             self._serve()
+        self.resume_dir = None
 
     # -- the three swaps ------------------------------------------------------------------------------------
     def _serve(self) -> None:

@@ -97,3 +97,35 @@ def test_small_updates_lag_under_nearest_not_under_fair_cast(tiny_model_dir, pro
         lags[name] = sum(values[-4:]) / 4
     assert lags["off"] > 1.0, lags   # the round-to-nearest copy trails by more than a step
     assert abs(lags["fair"]) < 0.5 * lags["off"], lags
+
+
+def test_ema_serves_fair_cast_of_the_ema(tiny_model_dir, prompts_dataset, tmp_path):
+    from faircast_plugins import derive_key, fair_cast
+
+    args = grpo_args(tmp_path / "out", max_steps=3, optim="sgd", learning_rate=1e-3, faircast=True,
+                     faircast_ema_decay=0.5, faircast_seed=5)
+    trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
+    forwards, handle = watch_forwards(trainer, check_against_masters=False)
+    trainer.train()
+    handle.remove()
+    assert forwards.off_grid == 0 and forwards.grad > 0
+    callback = trainer._faircast
+    ema = callback.caster.state_dict()["ema"]
+    params = named_params(trainer)
+    assert set(ema) == set(params)
+    differs = 0
+    for name, p in params.items():
+        want = fair_cast(ema[name], key=derive_key(5, 3, name), mode="stochastic", backend="torch")
+        assert torch.equal(p.detach(), want.float()), name
+        differs += not torch.equal(ema[name], callback.masters[name])
+    assert differs > 0, "the EMA must lag the master"
+
+
+def test_second_train_call_keeps_the_masters(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path / "out", max_steps=2, optim="sgd", learning_rate=1e-3, faircast=True)
+    trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
+    trainer.train()
+    masters = {n: m.clone() for n, m in trainer._faircast.masters.items()}
+    assert not all(on_bf16_grid(m) for m in masters.values())
+    trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+    assert all(torch.equal(trainer._faircast.masters[n], m) for n, m in masters.items())

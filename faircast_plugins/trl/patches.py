@@ -44,15 +44,25 @@ class FairCastUnsupportedError(FairCastPatchError):
     """A Fair Cast combination that is not supported (yet): refused rather than silently rounded to nearest."""
 
 
-def _bound_args(original, self, args, kwargs):
+def _bound(original, self, args, kwargs) -> dict:
+    """The trainer's constructor arguments by name (``args``, ``peft_config``, ...)."""
     try:
-        return inspect.signature(original).bind_partial(self, *args, **kwargs).arguments.get("args")
+        return dict(inspect.signature(original).bind_partial(self, *args, **kwargs).arguments)
     except TypeError:
-        return kwargs.get("args")
+        return dict(kwargs)
 
 
-def _check_args(trainer_name: str, args: Any) -> None:
-    """Refusals that can be decided from the config alone, before any model or engine is built."""
+_PEFT_REFUSAL = (
+    "Fair Cast with a PEFT/LoRA model in {trainer} is refused: merging the adapter into the base for export "
+    "rounds to nearest, and the loss (W x + B A x) is not the served W + B A. Train without PEFT, or without "
+    "faircast."
+)
+
+
+def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
+    """Refusals that can be decided from the arguments alone, before any model or engine is built."""
+    if peft_config is not None:
+        raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
     if getattr(args, "use_transformers_continuous_batching", False):
         raise FairCastUnsupportedError(
             f"Fair Cast with {trainer_name}(use_transformers_continuous_batching=True) is refused: that path casts "
@@ -78,21 +88,17 @@ def _check_trainer(trainer_name: str, trainer: Any) -> None:
         raise FairCastUnsupportedError(f"Fair Cast with FSDP in {trainer_name} is not supported yet.")
     model = trainer.accelerator.unwrap_model(trainer.model)
     if hasattr(model, "peft_config"):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with a PEFT/LoRA model in {trainer_name} is refused: merging the adapter into the base "
-            f"for export rounds to nearest, and the loss (W x + B A x) is not the served W + B A. "
-            f"Train without PEFT, or without faircast."
-        )
+        raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
 
 
 def _trainer_init(trainer_name: str):
     def factory(original):
         @functools.wraps(original)
         def __init__(self, *args, **kwargs):
-            cfg_args = _bound_args(original, self, args, kwargs)
-            cfg = faircast_config(cfg_args) if cfg_args is not None else None
+            bound = _bound(original, self, args, kwargs)
+            cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
             if cfg is not None and cfg.active:
-                _check_args(trainer_name, cfg_args)
+                _check_args(trainer_name, bound["args"], bound.get("peft_config"))
             original(self, *args, **kwargs)
             cfg = faircast_config(self.args)
             if cfg is None or not cfg.active:
@@ -114,8 +120,8 @@ def _trainer_init(trainer_name: str):
 def _async_grpo_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        cfg_args = _bound_args(original, self, args, kwargs)
-        cfg = faircast_config(cfg_args) if cfg_args is not None else None
+        bound = _bound(original, self, args, kwargs)
+        cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
         if cfg is not None and cfg.active:
             raise FairCastUnsupportedError(
                 "Fair Cast for AsyncGRPOTrainer is not supported yet: its weight manifest is frozen as fp32 at "

@@ -72,7 +72,7 @@ class FairCastCallback(TrainerCallback):
         self.params = self._collect()
         restored = self._load_state(self.resume_dir) if self.resume_dir else False
         if not restored:
-            if state.global_step and self.config.enabled:
+            if state.global_step and self.config.enabled and self.resume_dir:
                 logger.warning(
                     "Fair Cast: resuming at step %d from a checkpoint without %s; starting Fair Cast state "
                     "(error-feedback residuals, EMA) fresh at weight version %d", state.global_step, STATE_FILE,

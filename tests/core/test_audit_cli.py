@@ -32,5 +32,5 @@ def test_large_steps_survive_both_modes():
 
 
 def test_empty_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no .safetensors"):
+    with pytest.raises(SystemExit, match="no model.safetensors"):
         cli.main(["audit", "--checkpoint", str(tmp_path)])

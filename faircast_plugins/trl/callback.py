@@ -27,11 +27,11 @@ from transformers import TrainerCallback
 
 from ..caster import FairCaster
 from ..config import FairCastConfig
+from ..export import STATE_FILE, save_state
 from ..key import canonical_name
 
 logger = logging.getLogger("faircast_plugins")
 
-STATE_FILE = "faircast_state.pt"
 INFO_FILE = "faircast.json"
 
 
@@ -139,11 +139,12 @@ class FairCastCallback(TrainerCallback):
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:
-        """Write the caster state (version, residuals, EMA) and a small JSON record next to the saved model."""
-        state = self.caster.state_dict()
-        state = _to_cpu(state)
+        """Write the caster state (version, residuals, EMA) and a small JSON record next to the saved model.
+
+        With the fp32 masters as the model weights, ``faircast export`` (:func:`faircast_plugins.export.export_served`)
+        rebuilds the served bf16 copy of this checkpoint from ``faircast_state.pt``."""
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(state, os.path.join(output_dir, STATE_FILE))
+        save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
         info = {
             "enabled": self.config.enabled,
             "mode": self.config.effective_mode,
@@ -162,14 +163,6 @@ class FairCastCallback(TrainerCallback):
         self.caster.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         logger.warning("Fair Cast: restored state (weight version %d) from %s", self.caster.version, path)
         return True
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def find_callback(trainer) -> Optional[FairCastCallback]:

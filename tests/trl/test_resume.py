@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from faircast_plugins.export import export_served
+
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
 from helpers import grpo_args, grpo_trainer, named_params
 
@@ -53,6 +55,12 @@ def test_resume_serves_bit_identical_copies(tiny_model_dir, prompts_dataset, tmp
     assert any(not torch.equal(saved[n], q) for n, q in straight.served[2].items())
     info = json.loads((ckpt / "faircast.json").read_text())
     assert info["version"] == 2 and info["seed"] == 99 and info["mode"] == mode
+
+    # the served copy of the checkpoint can be rebuilt offline, bit for bit, from the masters + Fair Cast state
+    export_served(ckpt, tmp_path / "served", state=ckpt / "faircast_state.pt")
+    exported = load_file(str(tmp_path / "served" / "model.safetensors"))
+    for name, q in straight.served[2].items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name].float(), q), name
 
     _, resumed = train(tiny_model_dir, prompts_dataset, tmp_path / "b", mode, resume=str(ckpt))
     assert sorted(resumed.served) == [2, 3, 4]

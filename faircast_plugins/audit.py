@@ -18,7 +18,10 @@ elements). Between two consecutive observed weight versions the tracker reports:
     ``|mean(sign(d) * (w - d))|`` over moved elements, where ``d`` is the fp32 update and ``w`` the update
     the served copy received (``q_now - q_prev``): the mean signed deviation of the written update along the
     update's direction. ``faircast/bias_rel`` divides it by ``mean(|d|)``: 1 means every update was lost,
-    0 means the written updates are unbiased.
+    0 means the written updates are unbiased. Under stochastic rounding one step's written update is noisy
+    (each element moves by 0 or a whole bf16 step), but the deviations telescope: summed over the steps
+    between two reports they stay bounded while the fp32 updates add up, so read it over tens of steps:
+    ``faircast/bias_rel_cumulative`` is the same ratio over everything observed since the tracker started.
 
 Totals are plain sums (see :meth:`Audit.totals`) so adapters can all-reduce them across ranks before
 :func:`finalize`.
@@ -56,6 +59,7 @@ class Audit:
         self.window = window
         self._tracks: Dict[str, _Track] = {}
         self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
+        self._cumulative = {"dev_along": 0.0, "abs_update": 0.0}
 
     def observe(self, name: str, version: int, master: torch.Tensor, served: torch.Tensor) -> None:
         """Record the master and the served copy of one parameter (or shard) at ``version``."""
@@ -81,8 +85,11 @@ class Audit:
             t["served_changed"] += float((q_bits != q_prev_bits).sum())
             t["master_moved"] += float(moved.sum())
             t["moved"] += float(moved.sum())
-            t["dev_along"] += float((torch.sign(d) * (w - d)).sum())
-            t["abs_update"] += float(d.abs().sum())
+            dev_along, abs_update = float((torch.sign(d) * (w - d)).sum()), float(d.abs().sum())
+            t["dev_along"] += dev_along
+            t["abs_update"] += abs_update
+            self._cumulative["dev_along"] += dev_along
+            self._cumulative["abs_update"] += abs_update
             oldest = track.history[0]
             steps = len(track.history)
             drift = (x - oldest) / steps
@@ -102,7 +109,11 @@ class Audit:
         return out
 
     def metrics(self, reset: bool = True) -> Dict[str, float]:
-        return finalize(self.totals(reset))
+        out = finalize(self.totals(reset))
+        c = self._cumulative
+        if c["abs_update"]:
+            out["faircast/bias_rel_cumulative"] = abs(c["dev_along"]) / c["abs_update"]
+        return out
 
 
 def finalize(t: Dict[str, float]) -> Dict[str, float]:

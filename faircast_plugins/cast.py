@@ -126,6 +126,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "torch"
 
 
+_SUBNORMAL = 1e-40
+
+
+def _check_denormals(device: torch.device) -> None:
+    """Refuse float casts under flush-to-zero (``torch.set_flush_denormal(True)``): they would not be bit-exact."""
+    if device.type == "cpu" and float(torch.tensor([_SUBNORMAL]) * 1.0) == 0.0:
+        raise RuntimeError(
+            "torch.set_flush_denormal(True) is on: fp32 additions and the bf16 cast then flush subnormals to zero, "
+            "so 'nearest' and 'error_feedback' would not follow the rounding contract. Turn it off for Fair Cast."
+        )
+
+
 def _torch_cast_item(item: CastItem, mode: str) -> None:
     if mode == "stochastic":
         torch_ref.cast_stochastic_(item.out, item.x, item.key, item.offset)
@@ -138,6 +150,8 @@ def _torch_cast_item(item: CastItem, mode: str) -> None:
 def _run(items: Sequence[CastItem], mode: str, backend: str) -> None:
     if not items:
         return
+    if mode != "stochastic":  # stochastic rounding is integer-only; the others use float arithmetic
+        _check_denormals(items[0].x.device)
     if backend == "torch":
         for item in items:
             _torch_cast_item(item, mode)

@@ -1,0 +1,39 @@
+"""The known answers of ROUNDING.md section 5, as data: shared by ``faircast selftest`` and the tests."""
+from __future__ import annotations
+
+import torch
+
+KEY_ZERO = (0, 0, "w", 0x69D3E695B1F2C727)
+KEY_K = (1234, 7, "model.layers.0.self_attn.q_proj.weight", 0x24B966A3AF97FCBD)
+
+# Philox4x32-10: (counter words, key words) -> output words
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+# noise under K: (first global index, values)
+NOISE_K = [
+    (0, [0x7857, 0xBB8C, 0xB992, 0xEB88, 0x463A, 0x655A, 0x152A, 0x684B,
+         0x776A, 0x1513, 0x04ED, 0xF856, 0x3506, 0x3D4F, 0xAA2E, 0x820A]),
+    (2**32 + 5, [0x7A85, 0x178B, 0x5C5C, 0xAB48]),
+]
+
+# stochastic under K: element i (= position) holds these fp32 bits -> bf16 bits
+STOCHASTIC_K_IN = [0x3F800000, 0x3F808000, 0x3F80FFFF, 0xBF80C000, 0x00000001, 0x80000000, 0x7F7FFFFF, 0x7F800000,
+                   0xFF800000, 0x7F800001, 0xFFFFFFFF, 0x3F812345, 0x40490FDB, 0xC0490FDB, 0x3F7FFFFF, 0x00800000]
+STOCHASTIC_K_OUT = [0x3F80, 0x3F81, 0x3F81, 0xBF81, 0x0000, 0x8000, 0x7F7F, 0x7F80,
+                    0xFF80, 0x7FC0, 0xFFFF, 0x3F82, 0x4049, 0xC049, 0x3F80, 0x0080]
+
+
+def fp32_from_bits(bits, device=None) -> torch.Tensor:
+    """fp32 tensor holding the given unsigned 32-bit patterns."""
+    signed = [b - 2**32 if b >= 2**31 else b for b in bits]
+    return torch.tensor(signed, dtype=torch.int32, device=device).view(torch.float32)
+
+
+def bf16_bits(t: torch.Tensor) -> list[int]:
+    """Unsigned 16-bit patterns of a bf16 tensor."""
+    return [v & 0xFFFF for v in t.reshape(-1).view(torch.int16).tolist()]

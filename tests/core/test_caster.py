@@ -1,0 +1,168 @@
+"""FairCaster: versions, canonical names, error feedback and EMA state, checkpoint round trip."""
+import io
+
+import pytest
+import torch
+
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast
+
+
+def bits(t):
+    return t.reshape(-1).view(torch.int16)
+
+
+def masters(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"model.embed_tokens.weight": torch.randn(64, 16, generator=g), "model.norm.weight": 1 + 0.01 * torch.randn(16, generator=g)}
+
+
+def train_step(ms, v):
+    g = torch.Generator().manual_seed(100 + v)
+    for t in ms.values():
+        t.add_(1e-4 * torch.randn(t.shape, generator=g))
+
+
+def test_cast_is_fair_cast_with_the_canonical_key_of_the_current_version():
+    caster = FairCaster(FairCastConfig(enabled=True, seed=42))
+    ms = masters()
+    for v in range(3):
+        for name, x in ms.items():
+            want = fair_cast(x, key=derive_key(42, v, name))
+            for wrapped in (name, f"_fsdp_wrapped_module.{name}", f"module._orig_mod.{name}"):
+                assert torch.equal(bits(caster.cast(wrapped, x)), bits(want))
+        train_step(ms, v)
+        caster.advance()
+
+
+def test_cast_of_a_shard_at_an_offset_matches_the_full_cast():
+    caster = FairCaster(FairCastConfig(enabled=True, seed=1))
+    x = torch.randn(1000)
+    full = caster.cast("w", x)
+    assert torch.equal(bits(caster.cast("w", x[371:], offset=371)), bits(full[371:]))
+
+
+def test_disabled_config_casts_round_to_nearest():
+    caster = FairCaster(FairCastConfig(enabled=False, audit=True))
+    x = torch.randn(4096)
+    assert torch.equal(bits(caster.cast("w", x)), bits(x.to(torch.bfloat16)))
+
+
+def test_cast_many_equals_cast():
+    caster = FairCaster(FairCastConfig(enabled=True, seed=3))
+    ms = masters()
+    many = caster.cast_many(ms)
+    for name, x in ms.items():
+        assert torch.equal(bits(many[name]), bits(caster.cast(name, x)))
+
+
+def test_error_feedback_is_idempotent_within_a_version_and_strict_about_order():
+    caster = FairCaster(FairCastConfig(enabled=True, mode="error_feedback"))
+    x = torch.full((100,), 1.0 + 2**-9)
+    q0 = caster.cast("w", x)
+    assert torch.equal(bits(caster.cast("w", x)), bits(q0))  # a second cast site at version 0: same copy
+    caster.advance()
+    q1 = caster.cast("w", x)
+    caster.advance()
+    q2 = caster.cast("w", x)
+    assert [float(q[0]) for q in (q0, q1, q2)] == [1.0, 1.0, 1.0 + 2**-7]
+    caster.advance()
+    caster.advance()
+    with pytest.raises(RuntimeError, match="cast exactly once in order"):
+        caster.cast("w", x)
+
+
+def test_error_feedback_refuses_a_different_shard():
+    caster = FairCaster(FairCastConfig(enabled=True, mode="error_feedback"))
+    caster.cast("w", torch.zeros(10), offset=0)
+    with pytest.raises(ValueError, match="per-rank state"):
+        caster.cast("w", torch.zeros(10), offset=10)
+
+
+def test_ema_casts_the_average_and_needs_masters():
+    b = 0.9
+    caster = FairCaster(FairCastConfig(enabled=True, ema_decay=b, seed=5))
+    x = torch.zeros(512)
+    caster.cast("w", x)
+    x += 1.0
+    caster.advance({"w": x})
+    m = torch.full((512,), 1 - b)  # m = 0 + (1 - b) * (1 - 0)
+    assert torch.equal(bits(caster.cast("w", x)), bits(fair_cast(m, key=derive_key(5, 1, "w"))))
+    with pytest.raises(ValueError, match="needs the updated masters"):
+        caster.advance()
+
+
+def _run(caster, ms, steps, served):
+    for _ in range(steps):
+        served.append({n: bits(caster.cast(n, x)).clone() for n, x in ms.items()})
+        train_step(ms, caster.version)
+        caster.advance(ms)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(mode="stochastic", seed=9),
+    dict(mode="error_feedback", seed=9),
+    dict(mode="stochastic", seed=9, ema_decay=0.5, audit=True),
+])
+def test_resume_serves_bit_identical_copies(cfg):
+    straight, resumed = [], []
+    ms = masters()
+    _run(FairCaster(FairCastConfig(enabled=True, **cfg)), ms, 6, straight)
+
+    ms = masters()
+    first = FairCaster(FairCastConfig(enabled=True, **cfg))
+    _run(first, ms, 3, resumed)
+    buf = io.BytesIO()
+    torch.save({"faircast": first.state_dict(), "masters": ms}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    second = FairCaster(FairCastConfig(enabled=True, **cfg))
+    second.load_state_dict(ckpt["faircast"])
+    assert second.version == 3
+    _run(second, ckpt["masters"], 3, resumed)
+
+    assert len(straight) == len(resumed) == 6
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resume_without_state_differs_for_error_feedback():
+    """Negative control: dropping the residual on resume changes the served copies."""
+    ms, straight = masters(), []
+    _run(FairCaster(FairCastConfig(enabled=True, mode="error_feedback")), ms, 4, straight)
+    ms, resumed = masters(), []
+    first = FairCaster(FairCastConfig(enabled=True, mode="error_feedback"))
+    _run(first, ms, 2, resumed)
+    second = FairCaster(FairCastConfig(enabled=True, mode="error_feedback"), version=2)
+    _run(second, ms, 2, resumed)
+    assert any(not torch.equal(a[n], b[n]) for a, b in zip(straight, resumed) for n in a)
+
+
+def test_load_state_dict_refuses_a_different_config():
+    state = FairCaster(FairCastConfig(enabled=True, seed=1)).state_dict()
+    with pytest.raises(ValueError, match="seed=1"):
+        FairCaster(FairCastConfig(enabled=True, seed=2)).load_state_dict(state)
+    with pytest.raises(ValueError, match="state format"):
+        FairCaster().load_state_dict({"format": 99})
+
+
+def test_metrics_follow_the_master_under_stochastic_and_lag_under_nearest():
+    """Audit on a bf16 checkpoint with steady updates far below half a bf16 step, summed over 12 steps."""
+    n = 1 << 16
+    results = {}
+    for enabled in (True, False):
+        caster = FairCaster(FairCastConfig(enabled=enabled, audit=True, audit_sample=n, seed=4))
+        # weights in [0.02, 0.04): a bf16 step is 2**-13, so 1e-6 per step needs ~60 steps to cross half of it
+        x = (0.02 * (1 + torch.rand(n, generator=torch.Generator().manual_seed(0)))).to(torch.bfloat16).float()
+        update = 1e-6 * (1 + torch.rand(n, generator=torch.Generator().manual_seed(1)))
+        for _ in range(12):
+            caster.cast("w", x)
+            x += update
+            caster.advance()
+        results[enabled] = caster.metrics()
+    sr, rne = results[True], results[False]
+    assert rne["faircast/master_moved_frac"] == sr["faircast/master_moved_frac"] == 1.0
+    assert rne["faircast/served_changed_frac"] == 0.0 < sr["faircast/served_changed_frac"]
+    assert rne["faircast/bias_rel"] == 1.0 and sr["faircast/bias_rel"] < 0.1
+    assert rne["faircast/bias_rel_cumulative"] == 1.0 and sr["faircast/bias_rel_cumulative"] < 0.1
+    assert rne["faircast/lag_steps"] > 5 and abs(sr["faircast/lag_steps"]) < 1
+    assert sr["faircast/version"] == 12.0

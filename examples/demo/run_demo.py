@@ -2,7 +2,8 @@
 
 Runs on CPU with no downloads (``nox -s demo`` sets everything up):
 
-1. builds a tiny random Qwen3 and a tokenizer on the spot, saved in bf16 (the fp32 masters start on the bf16 grid);
+1. builds a tiny random Qwen3 and a tokenizer on the spot with ``examples/trl/tiny.py``, saved in bf16 (the fp32
+   masters start on the bf16 grid);
 2. trains it twice with TRL's GRPOTrainer and a colocated vLLM engine, same seed and data, at a learning rate
    small enough that most updates are below half a bf16 step: once with TRL's standard export, once with
    ``faircast=True``; both with ``faircast_audit=True``, which measures without changing the standard run;
@@ -21,6 +22,8 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCA
                "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "VLLM_LOGGING_LEVEL": "WARNING",
                "TRANSFORMERS_VERBOSITY": "error"}.items():
     os.environ.setdefault(_k, _v)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "trl"))
 
 ARMS = (("standard export", False), ("Fair Cast", True))
 METRICS = ("faircast/served_changed_frac", "faircast/lag_steps", "faircast/bias_rel", "faircast/bias_rel_cumulative")
@@ -65,7 +68,7 @@ def run_arm(label: str, faircast: bool, model_dir: str, args) -> list[dict]:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from faircast_plugins.tiny_model import PROMPTS, cat_reward
+    from tiny import PROMPTS, cat_reward  # examples/trl/tiny.py
 
     config = GRPOConfig(
         output_dir=os.path.join(args.out, "runs", "faircast" if faircast else "standard"),
@@ -76,7 +79,7 @@ def run_arm(label: str, faircast: bool, model_dir: str, args) -> list[dict]:
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
         faircast=faircast, faircast_seed=args.seed, faircast_audit=True,
     )
-    dataset = Dataset.from_dict({"prompt": PROMPTS * 64})
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 8})
     trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=config, train_dataset=dataset,
                           callbacks=[Progress.make(label, args.steps, max(1, args.steps // 10))])
     trainer.remove_callback(PrinterCallback)  # our progress line replaces the raw log dicts
@@ -148,9 +151,9 @@ def plot(histories: dict, path: str, lr: float) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from faircast_plugins.tiny_model import build_tiny_model
+    from tiny import make_tiny  # examples/trl/tiny.py
 
-    model_dir = build_tiny_model(os.path.join(args.out, "model"), seed=args.seed)
+    model_dir = make_tiny(os.path.join(args.out, "model"))
     print(f"Fair Cast demo: tiny Qwen3 in {model_dir}, {args.steps} GRPO steps per run, Adam lr={args.lr:g}, "
           f"{'training-model generation' if args.no_vllm else 'colocated vLLM engine'}", flush=True)
     histories, summaries = {}, {}

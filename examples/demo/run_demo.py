@@ -84,7 +84,7 @@ def run_arm(label: str, faircast: bool, model_dir: str, args) -> list[dict]:
                           callbacks=[Progress.make(label, args.steps, max(1, args.steps // 10))])
     trainer.remove_callback(PrinterCallback)  # our progress line replaces the raw log dicts
     trainer.train()
-    history = [h for h in trainer.state.log_history if "faircast/version" in h]
+    history = [h for h in trainer.state.log_history if "faircast/version" in h and "reward" in h]  # per-step logs
     if getattr(trainer, "vllm_generation", None) is not None:
         del trainer.vllm_generation.llm  # one in-process engine at a time
     del trainer

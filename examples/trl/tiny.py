@@ -1,0 +1,67 @@
+"""A tiny random Qwen3, a locally trained tokenizer and a prompt set, for running the examples on CPU offline.
+
+    python examples/trl/tiny.py tiny        # writes tiny/ (model, tokenizer) and tiny/data/train.jsonl
+
+The model is saved in bf16 (the dtype a vLLM engine serves); GRPO loads it as fp32 masters.
+Head dim 32, so vLLM's CPU attention accepts it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+TEXT = [
+    "the cat sat on the mat", "a cat and a dog", "cat cat cat", "the dog ran after the cat",
+    "hello world", "numbers 0 1 2 3 4 5 6 7 8 9", "once upon a time there was a cat",
+] * 20
+PROMPTS = ["the cat", "a dog", "hello", "once upon", "numbers 1", "the mat", "cat and", "world"] * 8
+
+
+def cat_reward(completions, **kwargs):
+    """More 'cat' is better, shorter is better: enough signal for a nonzero policy gradient."""
+    return [min(c.count("cat"), 4) - 0.01 * len(c) for c in completions]
+
+
+def build_tokenizer(path: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   padding_side="left")
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: str) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
+        eos_token_id=0, pad_token_id=0, bos_token_id=None,
+    )
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def make_tiny(path: str) -> str:
+    """Write the tiny model, tokenizer and ``data/train.jsonl`` under ``path``; returns ``path``."""
+    os.makedirs(os.path.join(path, "data"), exist_ok=True)
+    tok = build_tokenizer(path)
+    assert len(tok) <= 320
+    build_model(path)
+    with open(os.path.join(path, "data", "train.jsonl"), "w") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in PROMPTS)
+    return path
+
+
+if __name__ == "__main__":
+    print(make_tiny(sys.argv[1] if len(sys.argv) > 1 else "tiny"))

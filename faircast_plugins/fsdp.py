@@ -1,0 +1,281 @@
+"""Fair Cast in PyTorch FSDP's own low-precision cast (FSDP1 and FSDP2): the bf16 copy the trainer computes with.
+
+With mixed precision, FSDP casts each rank's fp32 shard to bf16 before the all-gather (FSDP2) or before the
+unshard (FSDP1), by round-to-nearest. After :func:`apply_fsdp_cast_patches`, the parameters of a module given
+to :func:`register_fsdp_module` are cast by its :class:`~faircast_plugins.FairCaster` instead, keyed by canonical
+name and *global* element index, so every shard layout (any world size, uneven or padded shards) yields the same
+bits as ``caster.cast(name, full_master)`` -- the copy the rollout engine is sent. Modules that are not registered
+(a reference model, a critic) keep FSDP's stock cast.
+
+Three private torch call sites are wrapped (checked and pinned by version):
+
+* FSDP2, ``FSDPParam.all_gather_inputs`` -- the property used at world size 1, with CPU offload, and for
+  params that skip the fast path;
+* FSDP2, ``_fsdp_collectives._get_param_all_gather_inputs`` -- the foreach fast path used at world size > 1;
+* FSDP1, ``FlatParamHandle._use_low_precision_shard`` -- the low-precision flat shard.
+
+Each wrapper runs the original (so shapes, padding, streams and allocation stay torch's), then overwrites the
+valid elements of each registered parameter with the Fair Cast bits. Padding is never read by the compute.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from .caster import FairCaster
+from .key import canonical_name
+from .patching import FairCastPatchError, PatchSet
+
+logger = logging.getLogger("faircast_plugins")
+
+#: torch releases whose private FSDP cast sites were read and verified (see docs/verl.md).
+TORCH_SPECIFIER = ">=2.13,<2.14"
+
+_FSDP2_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.all_gather_inputs"
+_FSDP2_FAST_PATH = "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs"
+_FSDP1_SHARD = "torch.distributed.fsdp._flat_param:FlatParamHandle._use_low_precision_shard"
+
+_ATTR = "_faircast_cast"  # set on FSDPParam (FSDP2) and FlatParamHandle (FSDP1) objects of registered modules
+
+
+@dataclass
+class _ParamCast:
+    """How one FSDP2 parameter shard is cast: its caster, canonical name, and the global index of its first element."""
+
+    caster: FairCaster
+    name: str
+    offset: int
+    numel: int
+
+
+@dataclass
+class _HandleCast:
+    """How one FSDP1 flat parameter is cast: its caster and the canonical names of the params it holds."""
+
+    caster: FairCaster
+    names: list
+
+
+# -- the patched call sites ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _fair_cast_fsdp2(fsdp_param, out: torch.Tensor) -> None:
+    """Overwrite the valid prefix of a bf16 all-gather input with the Fair Cast bits of that shard."""
+    spec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
+    if spec is None or spec.numel == 0 or out.dtype != torch.bfloat16:
+        return
+    src = fsdp_param._sharded_param_data[: spec.numel]
+    q = spec.caster.cast(spec.name, src, offset=spec.offset)
+    out[: spec.numel].copy_(q.to(out.device, non_blocking=True))
+
+
+def _is_plain_sharded(fsdp_param) -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    return fsdp_param.sharded_state == ShardedState.SHARDED and not hasattr(
+        fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"
+    )
+
+
+def _wrap_all_gather_inputs(prop: property) -> property:
+    original = prop.fget
+
+    def all_gather_inputs(self):
+        inputs = original(self)
+        if getattr(self, _ATTR, None) is not None and _is_plain_sharded(self):
+            _fair_cast_fsdp2(self, inputs[0])
+        return inputs
+
+    all_gather_inputs.__doc__ = original.__doc__
+    return property(all_gather_inputs, prop.fset, prop.fdel, prop.__doc__)
+
+
+def _wrap_get_param_all_gather_inputs(original):
+    def _get_param_all_gather_inputs(fsdp_params):
+        inputs = original(fsdp_params)
+        for fsdp_param, ins in zip(fsdp_params, inputs):
+            # Params that took the property path were already cast there; the fast path fills the rest.
+            if getattr(fsdp_param, _ATTR, None) is not None and _is_plain_sharded(fsdp_param) and len(ins) == 1:
+                if not getattr(fsdp_param, "offload_to_cpu", False) and fsdp_param.param_dtype is not None:
+                    _fair_cast_fsdp2(fsdp_param, ins[0])
+        return inputs
+
+    return _get_param_all_gather_inputs
+
+
+def _wrap_use_low_precision_shard(original):
+    @torch.no_grad()
+    def _use_low_precision_shard(self):
+        original(self)
+        spec: Optional[_HandleCast] = getattr(self, _ATTR, None)
+        if spec is None:
+            return
+        flat = self.flat_param
+        mp_shard = flat._mp_shard
+        if mp_shard.dtype != torch.bfloat16:
+            return
+        local = flat._local_shard
+        for name, info in zip(spec.names, flat._shard_param_infos):
+            if name is None or not info.in_shard or not info.numel_in_shard:
+                continue
+            src = local[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
+            q = spec.caster.cast(name, src, offset=info.intra_param_start_idx)
+            mp_shard[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard].copy_(q.to(mp_shard.device))
+
+    return _use_low_precision_shard
+
+
+_PATCHES: Optional[PatchSet] = None
+
+
+def apply_fsdp_cast_patches() -> PatchSet:
+    """Install the three FSDP cast wrappers (idempotent). Checks the torch version and every symbol first."""
+    global _PATCHES
+    if _PATCHES is None or not _PATCHES.active:
+        patches = PatchSet("torch FSDP", "torch", TORCH_SPECIFIER)
+        patches.wrap(_FSDP2_PARAM, _wrap_all_gather_inputs)
+        patches.wrap(_FSDP2_FAST_PATH, _wrap_get_param_all_gather_inputs)
+        patches.wrap(_FSDP1_SHARD, _wrap_use_low_precision_shard)
+        patches.apply(details="registered FSDP modules cast their bf16 compute copy with Fair Cast")
+        _PATCHES = patches
+    return _PATCHES
+
+
+def remove_fsdp_cast_patches() -> None:
+    global _PATCHES
+    if _PATCHES is not None:
+        _PATCHES.remove()
+        _PATCHES = None
+
+
+# -- registration ----------------------------------------------------------------------------------------------
+
+
+def _check_master(name: str, param: torch.Tensor) -> None:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    if local.dtype != torch.float32:
+        raise TypeError(
+            f"Fair Cast needs fp32 master weights, but FSDP holds {name} as {local.dtype}. Load the trained model in "
+            f"fp32 (mixed precision param_dtype=bf16 then gives the bf16 compute copy Fair Cast replaces)."
+        )
+
+
+def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], trainable_only: bool) -> Dict[str, str]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    registered: Dict[str, str] = {}
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                name = names.get(id(param))
+                if name is None or (trainable_only and not param.requires_grad):
+                    continue
+                _check_master(name, param)
+                placements = tuple(param.placements)
+                if any(not isinstance(p, Shard) or p.dim != 0 for p in placements if not p.is_replicate()):
+                    raise FairCastPatchError(
+                        f"Fair Cast supports FSDP2 parameters sharded on dim 0 (the default Shard(0)); {name} has "
+                        f"placements {placements}"
+                    )
+                local_shape, global_offset = compute_local_shape_and_global_offset(
+                    param.shape, param.device_mesh, placements
+                )
+                row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
+                numel = math.prod(local_shape)
+                if numel != fsdp_param._sharded_local_tensor.numel():
+                    raise FairCastPatchError(f"FSDP2 shard of {name}: expected {numel} local elements, found "
+                                             f"{fsdp_param._sharded_local_tensor.numel()}")
+                offset = global_offset[0] * row if param.dim() else 0
+                setattr(fsdp_param, _ATTR, _ParamCast(caster, name, offset, numel))
+                registered[name] = name
+    # Tied parameters: every name under which a registered parameter appears maps to its first name.
+    for alias, param in root.named_parameters(remove_duplicate=False):
+        first = names.get(id(param))
+        if first in registered:
+            registered[canonical_name(alias)] = first
+    return registered
+
+
+def _register_fsdp1(root: nn.Module, caster: FairCaster, trainable_only: bool) -> Dict[str, str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    registered: Dict[str, str] = {}
+    for prefix, module in root.named_modules():
+        if not isinstance(module, FSDP) or module._handle is None:
+            continue
+        flat = module._handle.flat_param
+        base = (prefix + "." if prefix else "") + "_fsdp_wrapped_module."
+        originals = getattr(flat, "_params", None)  # kept with use_orig_params=True (mixed requires_grad allowed)
+        names = []
+        for i, fqn in enumerate(flat._fqns):
+            trainable = originals[i].requires_grad if originals else flat.requires_grad
+            keep = trainable or not trainable_only
+            names.append(canonical_name(base + fqn) if keep else None)
+        master = getattr(flat, "_local_shard", flat)  # _local_shard appears at FSDP's lazy init
+        if master.dtype != torch.float32:
+            raise TypeError(f"Fair Cast needs fp32 master weights; FSDP1 flat parameter {prefix or '<root>'} holds "
+                            f"{master.dtype}")
+        setattr(module._handle, _ATTR, _HandleCast(caster, names))
+        registered.update({n: n for n in names if n is not None})
+        # Tied parameters live once in a flat parameter; their other names are "shared" infos.
+        for info in flat._shared_param_infos:
+            alias = canonical_name(base + (info.module_name + "." if info.module_name else "") + info.param_name)
+            prim = canonical_name(base + (info.prim_module_name + "." if info.prim_module_name else "") + info.prim_param_name)
+            if prim in registered:
+                registered[alias] = prim
+    return registered
+
+
+def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only: bool = True) -> Dict[str, str]:
+    """Make FSDP cast ``root``'s parameters with ``caster``.
+
+    Returns ``{name: canonical name}`` for every name under which a registered parameter appears (a tied
+    parameter's second name maps to its first).
+
+    ``root`` is an FSDP1-wrapped module or a module containing FSDP2 (``fully_shard``) modules. Names are the
+    canonical (Hugging Face) names, so tied parameters use their first name. With ``trainable_only`` (default),
+    frozen parameters keep FSDP's round-to-nearest cast (they never move, so there is nothing to make fair,
+    and stochastic rounding would make them jitter between versions). Call :func:`apply_fsdp_cast_patches` too.
+    """
+    names = {id(p): canonical_name(n) for n, p in root.named_parameters()}
+    registered = {**_register_fsdp2(root, caster, names, trainable_only), **_register_fsdp1(root, caster, trainable_only)}
+    if not registered:
+        raise FairCastPatchError(
+            f"register_fsdp_module found no FSDP1/FSDP2 parameters to cast in {type(root).__name__}: Fair Cast "
+            f"cannot make the trainer compute with the served copy"
+        )
+    return registered
+
+
+def unregister_fsdp_module(root: nn.Module) -> None:
+    """Give ``root`` back FSDP's stock cast."""
+    for module in root.modules():
+        handle = getattr(module, "_handle", None)
+        if handle is not None and hasattr(handle, _ATTR):
+            delattr(handle, _ATTR)
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is not None:
+            for group in get_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if hasattr(fsdp_param, _ATTR):
+                        delattr(fsdp_param, _ATTR)
+
+
+__all__ = [
+    "TORCH_SPECIFIER",
+    "apply_fsdp_cast_patches",
+    "register_fsdp_module",
+    "remove_fsdp_cast_patches",
+    "unregister_fsdp_module",
+]

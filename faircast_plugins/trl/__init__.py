@@ -1,0 +1,57 @@
+"""Fair Cast for TRL 1.16: ``faircast: true`` in GRPO, RLOO and Online DPO configs.
+
+    import faircast_plugins.trl            # patches TRL on import (same as faircast_plugins.trl.patch())
+    from trl import GRPOConfig, GRPOTrainer
+    args = GRPOConfig(..., faircast=True)  # faircast_mode / faircast_seed / faircast_ema_decay / faircast_audit
+
+From the command line: ``faircast-trl grpo --config cfg.yaml`` (the ``trl`` arguments, ``faircast: true`` in the
+YAML), or plain ``trl`` after the opt-in ``faircast-trl hook install``. See docs/trl.md.
+
+Modules: ``config`` (the ``faircast*`` fields on TRL's configs), ``callback`` (shadow masters, served copy,
+checkpoint state, metrics), ``patches`` (the PatchSet: trainers, vLLM export, save/resume, logs), ``cli`` and
+``launch`` (``faircast-trl``).
+"""
+from __future__ import annotations
+
+from .callback import FairCastCallback
+from .config import FairCastArguments, faircast_config, patch_configs, unpatch_configs
+from .patches import SUPPORTED, FairCastUnsupportedError, build_patch_set
+
+_PATCHES = None
+
+
+def patch() -> None:
+    """Add the ``faircast*`` fields to TRL's configs and install the trainer/export patches. Idempotent.
+
+    Refuses (``FairCastPatchError``) a TRL outside ``SUPPORTED`` or one whose patch points are missing, before
+    changing anything.
+    """
+    global _PATCHES
+    if _PATCHES is not None and _PATCHES.active:
+        return
+    patches = build_patch_set()
+    patches.check()
+    patch_configs()
+    _PATCHES = patches.apply(details="faircast fields on GRPOConfig, RLOOConfig, OnlineDPOConfig, AsyncGRPOConfig")
+
+
+def unpatch() -> None:
+    """Undo :func:`patch` (mainly for tests)."""
+    global _PATCHES
+    if _PATCHES is not None:
+        _PATCHES.remove()
+        _PATCHES = None
+    unpatch_configs()
+
+
+patch()
+
+__all__ = [
+    "FairCastArguments",
+    "FairCastCallback",
+    "FairCastUnsupportedError",
+    "SUPPORTED",
+    "faircast_config",
+    "patch",
+    "unpatch",
+]

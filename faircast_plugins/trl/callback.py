@@ -1,0 +1,169 @@
+"""The shadow-master callback: the loss runs on the served copy, the optimizer steps the fp32 master.
+
+With Fair Cast on, every fp32 parameter of the policy *holds* the served copy ``q = fair_cast(master)`` (bf16
+values stored in fp32) whenever the model runs, and its fp32 master is kept aside:
+
+* ``on_train_begin``: ``master = p.clone()``, then ``p <- q`` (version 0, or the restored version on resume);
+* ``on_pre_optimizer_step``: ``p <- master``, so the gradient computed at ``q`` is applied to the master;
+* ``on_optimizer_step``: ``master <- p`` (the stepped value), version += 1, ``p <- q`` at the new version.
+
+So generation (with or without vLLM), old log-probs and the loss all see ``q``; autocast's bf16 cast of ``q`` is
+exact, and so is vLLM's ``copy_`` into its bf16 weights. Cost: +4 B/param for the masters (+4 more for an
+error-feedback residual or an EMA), two copies per optimizer step.
+
+With only ``faircast_audit`` on, nothing is swapped: the callback measures how far the round-to-nearest copy that
+vLLM serves trails the master, and TRL's logs get the same ``faircast/*`` metrics.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+from transformers import TrainerCallback
+
+from ..caster import FairCaster
+from ..config import FairCastConfig
+from ..export import STATE_FILE, save_state
+from ..key import canonical_name
+
+logger = logging.getLogger("faircast_plugins")
+
+INFO_FILE = "faircast.json"
+
+
+class FairCastCallback(TrainerCallback):
+    """Keeps fp32 masters aside and serves ``fair_cast(master)`` from the policy's own parameters."""
+
+    def __init__(self, trainer, config: FairCastConfig):
+        self.trainer = trainer
+        self.config = config
+        self.caster = FairCaster(config)
+        self.params: Dict[str, torch.nn.Parameter] = {}
+        self.masters: Dict[str, torch.Tensor] = {}
+        self.resume_dir: Optional[str] = None
+
+    @property
+    def shadow(self) -> bool:
+        """True when parameters hold the served copy (Fair Cast on); False for an audit-only run."""
+        return self.config.enabled
+
+    # -- setup ----------------------------------------------------------------------------------------------
+    def _collect(self) -> Dict[str, torch.nn.Parameter]:
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        params = {canonical_name(n): p for n, p in model.named_parameters() if p.is_floating_point()}
+        bad = sorted(n for n, p in params.items() if p.dtype != torch.float32)
+        if bad:
+            raise TypeError(
+                f"Fair Cast needs fp32 master weights, but {len(bad)} parameter(s) are "
+                f"{params[bad[0]].dtype} (e.g. {bad[0]}). Load the policy in fp32 (the GRPO/RLOO default; "
+                f"model_init_kwargs={{'dtype': 'float32'}}) and keep bf16=True for bf16 compute."
+            )
+        return params
+
+    def check_model(self) -> None:
+        """Raise a clear ``TypeError`` unless every floating-point parameter of the policy is fp32."""
+        self._collect()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.params = self._collect()
+        restored = self._load_state(self.resume_dir) if self.resume_dir else False
+        if not restored:
+            if state.global_step and self.config.enabled and self.resume_dir:
+                logger.warning(
+                    "Fair Cast: resuming at step %d from a checkpoint without %s; starting Fair Cast state "
+                    "(error-feedback residuals, EMA) fresh at weight version %d", state.global_step, STATE_FILE,
+                    state.global_step,
+                )
+            self.caster.version = state.global_step
+        elif self.caster.version != state.global_step:
+            raise RuntimeError(
+                f"Fair Cast state in {self.resume_dir} is at weight version {self.caster.version} but the trainer "
+                f"resumes at step {state.global_step}"
+            )
+        with torch.no_grad():
+            if self.shadow and (restored or self.resume_dir or not self.masters):
+                self.masters = {n: p.detach().clone() for n, p in self.params.items()}
+            # else: a second train() on this trainer keeps its masters (the params hold the served copy)
+            self._serve()
+        self.resume_dir = None
+
+    # -- the three swaps ------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """Cast at the current version; with Fair Cast on, the parameters then hold the served copy."""
+        source = self.masters if self.shadow else {n: p.detach() for n, p in self.params.items()}
+        served = self.caster.cast_many(source)
+        if self.shadow:
+            for n, q in served.items():
+                self.params[n].data.copy_(q)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.shadow:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.data.copy_(self.masters[n])
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        with torch.no_grad():
+            if self.shadow:
+                for n, p in self.params.items():
+                    self.masters[n].copy_(p.data)
+                self.caster.advance(self.masters)
+            else:
+                self.caster.advance({n: p.detach() for n, p in self.params.items()})
+            self._serve()
+
+    @contextmanager
+    def masters_in_params(self):
+        """Temporarily put the fp32 masters back into the parameters (used while saving a checkpoint)."""
+        if not (self.shadow and self.masters):
+            yield
+            return
+        with torch.no_grad():
+            served = {n: p.data.clone() for n, p in self.params.items()}
+            for n, p in self.params.items():
+                p.data.copy_(self.masters[n])
+            try:
+                yield
+            finally:
+                for n, p in self.params.items():
+                    p.data.copy_(served[n])
+
+    # -- metrics --------------------------------------------------------------------------------------------
+    def metrics(self) -> Dict[str, float]:
+        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``)."""
+        return self.caster.metrics()
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def save_state(self, output_dir: str) -> None:
+        """Write the caster state (version, residuals, EMA) and a small JSON record next to the saved model.
+
+        With the fp32 masters as the model weights, ``faircast export`` (:func:`faircast_plugins.export.export_served`)
+        rebuilds the served bf16 copy of this checkpoint from ``faircast_state.pt``."""
+        os.makedirs(output_dir, exist_ok=True)
+        save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
+        info = {
+            "enabled": self.config.enabled,
+            "mode": self.config.effective_mode,
+            "seed": self.config.seed,
+            "version": self.caster.version,
+            "ema_decay": self.config.ema_decay,
+            "model_weights": "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)",
+        }
+        with open(os.path.join(output_dir, INFO_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+
+    def _load_state(self, directory: str) -> bool:
+        path = os.path.join(directory, STATE_FILE)
+        if not os.path.exists(path):
+            return False
+        self.caster.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        logger.warning("Fair Cast: restored state (weight version %d) from %s", self.caster.version, path)
+        return True
+
+
+def find_callback(trainer) -> Optional[FairCastCallback]:
+    return getattr(trainer, "_faircast", None)

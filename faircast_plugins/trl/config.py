@@ -1,0 +1,126 @@
+"""``faircast`` fields on TRL's config classes.
+
+TRL's configs are dataclasses parsed by ``HfArgumentParser``, so the flag must be a real dataclass field: each
+supported config gets a subclass with the ``faircast*`` fields that keeps the original ``__name__``,
+``__qualname__`` and ``__module__`` (``training_args.bin`` still unpickles), and the subclass is rebound in every
+already-imported module that holds the original name. ``trl``'s scripts import their config at call time, so a
+rebinding done before they run is seen by ``trl grpo --config cfg.yaml`` too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..config import FairCastConfig
+
+# (module that defines it, class name): every TRL 1.16 config that gains the flag.
+CONFIG_CLASSES = (
+    ("trl.trainer.grpo_config", "GRPOConfig"),
+    ("trl.trainer.rloo_config", "RLOOConfig"),
+    ("trl.experimental.online_dpo.online_dpo_config", "OnlineDPOConfig"),
+    ("trl.experimental.async_grpo.async_grpo_config", "AsyncGRPOConfig"),
+)
+
+_HELP = {
+    "faircast": "Fair Cast: unbiased fp32->bf16 export (stochastic rounding) and the loss on the served bf16 copy.",
+    "faircast_mode": "Fair Cast rounding: 'stochastic' (default), 'error_feedback', or 'nearest' (baseline with audit).",
+    "faircast_seed": "Fair Cast seed (unsigned 64-bit), the same on every rank.",
+    "faircast_ema_decay": "Fair Cast: serve an EMA of the fp32 master with this decay in [0, 1); 0 = off.",
+    "faircast_audit": "Fair Cast audit: log faircast/* metrics (lag, bias, changed fractions); works with faircast off.",
+}
+
+
+@dataclass
+class FairCastArguments:
+    """The ``faircast*`` fields shared by every patched TRL config."""
+
+    faircast: bool = field(default=False, metadata={"help": _HELP["faircast"]})
+    faircast_mode: str = field(default="stochastic", metadata={"help": _HELP["faircast_mode"]})
+    faircast_seed: int = field(default=0, metadata={"help": _HELP["faircast_seed"]})
+    faircast_ema_decay: float = field(default=0.0, metadata={"help": _HELP["faircast_ema_decay"]})
+    faircast_audit: bool = field(default=False, metadata={"help": _HELP["faircast_audit"]})
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FairCastArguments))
+
+
+def faircast_config(args: Any) -> Optional[FairCastConfig]:
+    """The validated :class:`FairCastConfig` of a TRL config, or None when the config has no ``faircast`` fields."""
+    if not hasattr(args, "faircast"):
+        return None
+    value = args.faircast
+    if isinstance(value, FairCastConfig):
+        return value
+    overrides = dict(
+        mode=args.faircast_mode, seed=args.faircast_seed, ema_decay=args.faircast_ema_decay, audit=args.faircast_audit
+    )
+    if isinstance(value, dict):  # YAML ``faircast: {mode: ..., seed: ...}``: the mapping wins over the defaults
+        return FairCastConfig.from_value(value, **{k: v for k, v in overrides.items() if k not in value})
+    return FairCastConfig.from_value(value, **overrides)
+
+
+def _post_init(self) -> None:
+    cfg = faircast_config(self)  # raises ValueError with a clear message on bad values
+    # Normalise what the user wrote (``"true"``, a mapping) to the flat fields, so to_dict()/YAML stay simple.
+    self.faircast, self.faircast_mode, self.faircast_seed = cfg.enabled, cfg.mode, cfg.seed
+    self.faircast_ema_decay, self.faircast_audit = cfg.ema_decay, cfg.audit
+
+
+def make_config_class(base: type) -> type:
+    """A subclass of ``base`` with the ``faircast*`` fields that masquerades as ``base`` for pickling and parsing."""
+    if getattr(base, "__faircast_config__", False):
+        return base
+    namespace: dict[str, Any] = {"__annotations__": {}, "__module__": base.__module__, "__doc__": base.__doc__}
+    for f in dataclasses.fields(FairCastArguments):
+        namespace["__annotations__"][f.name] = f.type
+        namespace[f.name] = field(default=f.default, metadata=dict(f.metadata))
+
+    def __post_init__(self) -> None:
+        _post_init(self)  # validate first: a bad value must not cost the user a trainer setup
+        base.__post_init__(self)
+
+    namespace["__post_init__"] = __post_init__
+    namespace["__faircast_config__"] = True
+    cls = dataclass(type(base.__name__, (base,), namespace))
+    cls.__qualname__ = base.__qualname__
+    cls.__faircast_base__ = base
+    return cls
+
+
+def _rebind(original: type, replacement: type) -> list[str]:
+    """Point every loaded ``trl*`` module attribute that holds ``original`` at ``replacement``."""
+    done = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "trl" or name.startswith("trl.")):
+            continue
+        namespace = getattr(module, "__dict__", {})
+        for attr, value in list(namespace.items()):
+            if value is original:
+                setattr(module, attr, replacement)
+                done.append(f"{name}.{attr}")
+    return done
+
+
+def patch_configs() -> dict[str, type]:
+    """Subclass and rebind every config in :data:`CONFIG_CLASSES`. Idempotent; returns ``{name: class}``."""
+    out = {}
+    for module_name, class_name in CONFIG_CLASSES:
+        module = importlib.import_module(module_name)
+        current = getattr(module, class_name)
+        patched = make_config_class(current)
+        if patched is not current:
+            _rebind(current, patched)
+        out[class_name] = patched
+    return out
+
+
+def unpatch_configs() -> None:
+    """Undo :func:`patch_configs` (tests)."""
+    for module_name, class_name in CONFIG_CLASSES:
+        module = sys.modules.get(module_name)
+        current = getattr(module, class_name, None) if module else None
+        if current is not None and getattr(current, "__faircast_config__", False):
+            _rebind(current, current.__faircast_base__)

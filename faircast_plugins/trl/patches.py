@@ -1,0 +1,196 @@
+"""The TRL 1.16 patch set: attach the callback, export bf16, save/restore Fair Cast state, log the metrics.
+
+Every target is checked before anything is patched (:class:`faircast_plugins.patching.PatchSet`), and the set
+refuses any TRL outside :data:`SUPPORTED`.
+
+* ``GRPOTrainer`` / ``RLOOTrainer`` / ``OnlineDPOTrainer.__init__``: refuse unsupported combinations, then add
+  the :class:`FairCastCallback` when ``faircast`` or ``faircast_audit`` is set.
+* ``AsyncGRPOTrainer.__init__``: refuses ``faircast``/``faircast_audit`` (FSDP2 + vLLM server only: not wired yet).
+* ``VLLMGeneration._iter_named_params`` (GRPO, RLOO; colocate and server): yield the served copy as bf16, so
+  vLLM's ``load_weights`` copies it bit for bit and server mode streams half the bytes.
+* ``Trainer.save_model``: write the fp32 masters (not the served copy) and ``faircast_state.pt`` +
+  ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
+* ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
+* ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from ..patching import FairCastPatchError, PatchSet
+from .callback import FairCastCallback, find_callback
+from .config import faircast_config
+
+DISTRIBUTION = "trl"
+SUPPORTED = ">=1.16.0,<1.17"
+
+TRAINERS = {
+    "GRPOTrainer": "trl.trainer.grpo_trainer:GRPOTrainer.__init__",
+    "RLOOTrainer": "trl.trainer.rloo_trainer:RLOOTrainer.__init__",
+    "OnlineDPOTrainer": "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer.__init__",
+}
+ASYNC_GRPO = "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.__init__"
+VLLM_EXPORT = "trl.generation.vllm_generation:VLLMGeneration._iter_named_params"
+SAVE_MODEL = "transformers.trainer:Trainer.save_model"
+LOAD_CHECKPOINT = "transformers.trainer:Trainer._load_from_checkpoint"
+LOG = "transformers.trainer:Trainer.log"
+
+
+class FairCastUnsupportedError(FairCastPatchError):
+    """A Fair Cast combination that is not supported (yet): refused rather than silently rounded to nearest."""
+
+
+def _bound(original, self, args, kwargs) -> dict:
+    """The trainer's constructor arguments by name (``args``, ``peft_config``, ...)."""
+    try:
+        return dict(inspect.signature(original).bind_partial(self, *args, **kwargs).arguments)
+    except TypeError:
+        return dict(kwargs)
+
+
+_PEFT_REFUSAL = (
+    "Fair Cast with a PEFT/LoRA model in {trainer} is refused: merging the adapter into the base for export "
+    "rounds to nearest, and the loss (W x + B A x) is not the served W + B A. Train without PEFT, or without "
+    "faircast."
+)
+
+
+def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
+    """Refusals that can be decided from the arguments alone, before any model or engine is built."""
+    if peft_config is not None:
+        raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(use_transformers_continuous_batching=True) is refused: that path casts "
+            f"the training model to bf16 in place, which destroys the fp32 master. Turn it off or use vLLM."
+        )
+    if getattr(args, "deepspeed", None):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with DeepSpeed in TRL is not supported yet: DeepSpeed keeps the fp32 master inside its "
+            f"optimizer and copies it back with round-to-nearest. Run without DeepSpeed, or without faircast."
+        )
+    if getattr(args, "fsdp", None):
+        raise FairCastUnsupportedError(
+            "Fair Cast with FSDP in TRL is not supported yet (the FSDP cast-site patches have not been wired and "
+            "run with TRL). Run without FSDP, or without faircast."
+        )
+
+
+def _check_trainer(trainer_name: str, trainer: Any) -> None:
+    """Refusals that need the built trainer (accelerate plugins from the environment, PEFT, dtypes)."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise FairCastUnsupportedError(f"Fair Cast with DeepSpeed in {trainer_name} is not supported yet.")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise FairCastUnsupportedError(f"Fair Cast with FSDP in {trainer_name} is not supported yet.")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "peft_config"):
+        raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
+
+
+def _trainer_init(trainer_name: str):
+    def factory(original):
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            bound = _bound(original, self, args, kwargs)
+            cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
+            if cfg is not None and cfg.active:
+                _check_args(trainer_name, bound["args"], bound.get("peft_config"))
+            original(self, *args, **kwargs)
+            cfg = faircast_config(self.args)
+            if cfg is None or not cfg.active:
+                return
+            _check_trainer(trainer_name, self)
+            callback = FairCastCallback(self, cfg)
+            callback.check_model()  # fp32 masters: fail now, not after the first generation
+            self._faircast = callback
+            self.add_callback(callback)
+            generation = getattr(self, "vllm_generation", None)
+            if generation is not None:
+                generation._faircast = callback
+
+        return __init__
+
+    return factory
+
+
+def _async_grpo_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = _bound(original, self, args, kwargs)
+        cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
+        if cfg is not None and cfg.active:
+            raise FairCastUnsupportedError(
+                "Fair Cast for AsyncGRPOTrainer is not supported yet: its weight manifest is frozen as fp32 at "
+                "construction and it runs only with FSDP2 and a vLLM server, which this adapter has not wired. "
+                "Use GRPOTrainer, or drop faircast/faircast_audit."
+            )
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _vllm_export(original):
+    @functools.wraps(original)
+    def _iter_named_params(self, *args, **kwargs):
+        callback = getattr(self, "_faircast", None)
+        if callback is None or not callback.shadow:
+            yield from original(self, *args, **kwargs)
+            return
+        for name, tensor in original(self, *args, **kwargs):
+            # The parameter holds fair_cast(master) at the current version: this cast is exact.
+            yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+
+    return _iter_named_params
+
+
+def _save_model(original):
+    @functools.wraps(original)
+    def save_model(self, output_dir=None, _internal_call=False, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is None:
+            return original(self, output_dir, _internal_call, *args, **kwargs)
+        with callback.masters_in_params():
+            result = original(self, output_dir, _internal_call, *args, **kwargs)
+        if self.args.should_save:
+            callback.save_state(output_dir if output_dir is not None else self.args.output_dir)
+        return result
+
+    return save_model
+
+
+def _load_from_checkpoint(original):
+    @functools.wraps(original)
+    def _load(self, resume_from_checkpoint, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is not None:
+            callback.resume_dir = resume_from_checkpoint
+        return original(self, resume_from_checkpoint, *args, **kwargs)
+
+    return _load
+
+
+def _log(original):
+    @functools.wraps(original)
+    def log(self, logs, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is not None and self.model.training:
+            logs.update(callback.metrics())
+        return original(self, logs, *args, **kwargs)
+
+    return log
+
+
+def build_patch_set() -> PatchSet:
+    patches = PatchSet("TRL", DISTRIBUTION, SUPPORTED)
+    for name, target in TRAINERS.items():
+        patches.wrap(target, _trainer_init(name))
+    patches.wrap(ASYNC_GRPO, _async_grpo_init)
+    patches.wrap(VLLM_EXPORT, _vllm_export)
+    patches.wrap(SAVE_MODEL, _save_model)
+    patches.wrap(LOAD_CHECKPOINT, _load_from_checkpoint)
+    patches.wrap(LOG, _log)
+    return patches

@@ -1,0 +1,215 @@
+"""The verl patch set: activation in ``ActorRolloutRefWorker.init_model`` and the FSDP engine's export, step and
+checkpoint hooks. Every hook is inert for engines Fair Cast was not activated on (reference, critic, flag off)."""
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from typing import Optional
+
+from ..patching import PatchSet
+from . import engine as fc_engine
+from .config import check_supported, read_faircast
+
+logger = logging.getLogger("faircast_plugins")
+
+#: verl releases whose patch points were read and verified (docs/verl.md).
+VERL_SPECIFIER = ">=0.9.1,<0.10"
+
+_WORKER = "verl.workers.engine_workers:ActorRolloutRefWorker"
+_IMPL = "verl.workers.engine.fsdp.transformer_impl"
+_ENGINE = f"{_IMPL}:FSDPEngine"
+
+# The engine whose get_per_tensor_param is running ({"state": EngineFairCast, "cast": bool}): its export stream
+# passes through unfuse_moe_params, where the full fp32 tensors still carry the trainer's names (before MoE
+# experts are split). LoRA adapter exports skip that function; get_per_tensor_param casts them itself.
+_EXPORTING: contextvars.ContextVar = contextvars.ContextVar("faircast_exporting", default=None)
+
+
+def _wrap_init_model(original):
+    @functools.wraps(original)
+    def init_model(self, *args, **kwargs):
+        config = read_faircast(self.config)
+        wants = config is not None and config.active and "actor" in self.role
+        if wants:
+            check_supported(config, self.config)  # fail before the (slow) model build
+        result = original(self, *args, **kwargs)
+        if not wants:
+            if config is not None and config.active:
+                logger.info("Fair Cast: role %r has no actor; nothing to cast in this worker", self.role)
+            else:
+                logger.warning("Fair Cast is OFF for this verl worker (role=%s): actor_rollout_ref.faircast is not "
+                               "set; the rollout serves the round-to-nearest copy", self.role)
+            return result
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+        engine = self.actor.engine
+        if not isinstance(engine, FSDPEngine):
+            raise ValueError(f"actor_rollout_ref.faircast supports verl's FSDP engines, not {type(engine).__name__}")
+        state = fc_engine.activate(engine, config)
+        logger.warning(
+            "Fair Cast ACTIVE on the verl actor (role=%s, strategy=%s): %s; %d parameters cast by Fair Cast in FSDP "
+            "and in the export to the rollout; reference/critic models untouched",
+            self.role, self.config.actor.strategy, config.describe(), len(state.canonical),
+        )
+        return result
+
+    return init_model
+
+
+def _wrap_update_actor(original):
+    @functools.wraps(original)
+    def update_actor(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        state = fc_engine.state_of(self.actor.engine) if self.actor is not None else None
+        if state is None:
+            return output
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.device import get_device_id
+
+        device = get_device_id() if state.caster.audit is not None else None
+        extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it
+        if output is not None:
+            merged = dict(tu.get(output, "metrics") or {})
+            merged.update(extra)
+            tu.assign_non_tensor(output, metrics=merged)
+        return output
+
+    return update_actor
+
+
+def _wrap_optimizer_step(original):
+    @functools.wraps(original)
+    def optimizer_step(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = fc_engine.state_of(self)
+        if state is not None:
+            state.caster.advance()  # the next FSDP cast and the next export use the new weight version
+        return result
+
+    return optimizer_step
+
+
+def _wrap_get_per_tensor_param(original):
+    @functools.wraps(original)
+    def get_per_tensor_param(self, *args, **kwargs):
+        state = fc_engine.state_of(self)
+        if state is None:
+            return original(self, *args, **kwargs)
+        hooked = {"state": state, "cast": False}
+        token = _EXPORTING.set(hooked)
+        try:
+            weights, peft_config = original(self, *args, **kwargs)
+        finally:
+            _EXPORTING.reset(token)
+        if not hooked["cast"]:
+            # verl's LoRA adapter export (peft_config set, base already synced) skips unfuse_moe_params
+            weights = fc_engine.cast_export(state, weights)
+        return weights, peft_config
+
+    return get_per_tensor_param
+
+
+def _wrap_unfuse_moe_params(original):
+    @functools.wraps(original)
+    def unfuse_moe_params(weights, *args, **kwargs):
+        hooked: Optional[dict] = _EXPORTING.get()
+        if hooked is not None:
+            hooked["cast"] = True
+            weights = fc_engine.cast_export(hooked["state"], weights)
+        return original(weights, *args, **kwargs)
+
+    return unfuse_moe_params
+
+
+def _refuse_when_active(what: str, why: str):
+    def factory(original):
+        @functools.wraps(original)
+        def guarded(self, *args, **kwargs):
+            if fc_engine.state_of(self) is not None:
+                raise RuntimeError(f"Fair Cast does not support {what}: {why}")
+            return original(self, *args, **kwargs)
+
+        return guarded
+
+    return factory
+
+
+def _wrap_save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(self, local_path, *args, **kwargs):
+        result = original(self, local_path, *args, **kwargs)
+        state = fc_engine.state_of(self)
+        if state is not None:
+            fc_engine.save(state, local_path)
+        return result
+
+    return save_checkpoint
+
+
+def _wrap_load_checkpoint(original):
+    @functools.wraps(original)
+    def load_checkpoint(self, local_path, *args, **kwargs):
+        result = original(self, local_path, *args, **kwargs)
+        state = fc_engine.state_of(self)
+        if state is not None:
+            fc_engine.load(state, local_path)
+        return result
+
+    return load_checkpoint
+
+
+def build_patch_set() -> PatchSet:
+    """Every verl symbol Fair Cast wraps, checked together against the installed verl before any is touched."""
+    patches = PatchSet("verl", "verl", VERL_SPECIFIER)
+    patches.wrap(f"{_WORKER}.init_model", _wrap_init_model)
+    patches.wrap(f"{_WORKER}.update_actor", _wrap_update_actor)
+    patches.wrap(f"{_ENGINE}.optimizer_step", _wrap_optimizer_step)
+    patches.wrap(f"{_ENGINE}.get_per_tensor_param", _wrap_get_per_tensor_param)
+    patches.wrap(f"{_IMPL}:unfuse_moe_params", _wrap_unfuse_moe_params)
+    patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _refuse_when_active(
+        "verl's delta_sharded export", "it ships byte diffs of round-to-nearest bf16 shards"))
+    patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _refuse_when_active(
+        "merged LoRA export", "the rollout would serve round(W + BA) while the actor computes W x + B(A x)"))
+    patches.wrap(f"{_ENGINE}.save_checkpoint", _wrap_save_checkpoint)
+    patches.wrap(f"{_ENGINE}.load_checkpoint", _wrap_load_checkpoint)
+    return patches
+
+
+_PATCHES: Optional[PatchSet] = None
+
+
+def patch() -> PatchSet:
+    """Install the verl patches (idempotent). Raises FairCastPatchError naming the installed verl if it cannot."""
+    global _PATCHES
+    if _PATCHES is None or not _PATCHES.active:
+        _PATCHES = build_patch_set().apply(
+            details="inert until a worker's config sets actor_rollout_ref.faircast (enable per run)"
+        )
+    return _PATCHES
+
+
+def unpatch() -> None:
+    global _PATCHES
+    if _PATCHES is not None:
+        _PATCHES.remove()
+        _PATCHES = None
+
+
+def guard_unsupported(reason: str) -> None:
+    """When :func:`patch` cannot apply: make ``init_model`` refuse configs that ask for Fair Cast, with ``reason``."""
+    from ..patching import FairCastPatchError, resolve
+
+    try:
+        owner, attr, original = resolve(f"{_WORKER}.init_model")
+    except FairCastPatchError:
+        return  # nothing to guard; the ERROR line already said Fair Cast is unavailable
+
+    @functools.wraps(original)
+    def init_model(self, *args, **kwargs):
+        config = read_faircast(self.config)
+        if config is not None and config.active:
+            raise FairCastPatchError(f"actor_rollout_ref.faircast is set but Fair Cast cannot run: {reason}")
+        return original(self, *args, **kwargs)
+
+    setattr(owner, attr, init_model)

@@ -1,0 +1,36 @@
+"""Fixtures for the TRL adapter tests: a tiny random Qwen3 and a locally trained tokenizer, no downloads.
+
+The builder is the example's own (examples/trl/tiny.py): shaped so vLLM's CPU attention accepts it (head_dim 32)
+and saved in bf16, the dtype the colocate vLLM engine serves; the trainers load it as fp32 (their default), so
+the masters start on the bf16 grid.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trl")
+sys.path.insert(0, os.path.abspath(EXAMPLES))
+from tiny import PROMPTS, build_model, build_tokenizer, cat_reward, make_tiny  # noqa: E402,F401  (the example's builder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return make_tiny(str(tmp_path_factory.mktemp("tiny-qwen3")))
+
+
+@pytest.fixture(scope="session")
+def prompts_dataset():
+    from datasets import Dataset
+
+    prompts = PROMPTS
+    return Dataset.from_dict({"prompt": prompts})
+

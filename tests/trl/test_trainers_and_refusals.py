@@ -1,0 +1,126 @@
+"""RLOO and Online DPO smoke runs with Fair Cast (and negative controls), and every refused combination."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import faircast_plugins.trl  # noqa: F401  (patches TRL)
+from conftest import cat_reward
+from faircast_plugins.trl import FairCastUnsupportedError
+from helpers import grpo_args, grpo_trainer, named_params, on_bf16_grid, watch_forwards
+
+COMMON = dict(use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0, max_steps=3,
+              learning_rate=1e-4, lr_scheduler_type="constant")
+
+
+def rloo(model_dir, dataset, out, **flags):
+    from trl import RLOOConfig, RLOOTrainer
+
+    args = RLOOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                      **COMMON, **flags)
+    return RLOOTrainer(model=model_dir, reward_funcs=cat_reward, args=args, train_dataset=dataset)
+
+
+def online_dpo(model_dir, dataset, out, **flags):
+    from transformers import AutoTokenizer
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    args = OnlineDPOConfig(output_dir=str(out), per_device_train_batch_size=2, max_new_tokens=8, max_length=64,
+                           **COMMON, **flags)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return OnlineDPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args, train_dataset=dataset,
+                            processing_class=tok)
+
+
+@pytest.mark.parametrize("build", [rloo, online_dpo], ids=["rloo", "online_dpo"])
+def test_smoke_fair_cast_and_negative_control(build, tiny_model_dir, prompts_dataset, tmp_path):
+    extra = {"model_init_kwargs": {"dtype": "float32"}} if build is online_dpo else {}
+    trainer = build(tiny_model_dir, prompts_dataset, tmp_path / "on", faircast=True, faircast_audit=True,
+                    faircast_seed=3, **extra)
+    forwards, handle = watch_forwards(trainer, check_against_masters=True, seed=3)
+    trainer.train()
+    handle.remove()
+    assert trainer.state.global_step == 3 and trainer._faircast.caster.version == 3
+    assert forwards.grad > 0 and forwards.no_grad > 0
+    assert forwards.mismatches == [] and forwards.off_grid == 0
+    masters = trainer._faircast.masters
+    assert not all(on_bf16_grid(m) for m in masters.values()), "the fp32 masters keep sub-bf16 updates"
+    assert any("faircast/served_changed_frac" in h for h in trainer.state.log_history)
+
+    off = build(tiny_model_dir, prompts_dataset, tmp_path / "off", **extra)
+    forwards, handle = watch_forwards(off, check_against_masters=False)
+    off.train()
+    handle.remove()
+    assert not hasattr(off, "_faircast")
+    assert forwards.off_grid > 0, "flag off: the model runs on the fp32 weights"
+    assert not all(on_bf16_grid(p.detach()) for p in named_params(off).values())
+
+
+def test_online_dpo_bf16_policy_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    # OnlineDPO loads with dtype="auto": this bf16 checkpoint gives bf16 params, i.e. no fp32 master
+    with pytest.raises(TypeError, match="Fair Cast needs fp32 master weights"):
+        online_dpo(tiny_model_dir, prompts_dataset, tmp_path, faircast=True)
+
+
+def test_continuous_batching_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path, faircast=True, use_transformers_continuous_batching=True)
+    with pytest.raises(FairCastUnsupportedError, match="continuous_batching"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+def test_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path, faircast=True, fsdp=True)
+    with pytest.raises(FairCastUnsupportedError, match="FSDP"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+def test_deepspeed_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path, faircast=True)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: DeepSpeed itself is not installed here
+    with pytest.raises(FairCastUnsupportedError, match="DeepSpeed"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed in this environment")
+def test_peft_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    args = grpo_args(tmp_path, faircast=True)
+    with pytest.raises(FairCastUnsupportedError, match="PEFT/LoRA"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset,
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    # negative control: the same PEFT run without the flag builds
+    plain = GRPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=grpo_args(tmp_path),
+                        train_dataset=prompts_dataset, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    assert not hasattr(plain, "_faircast")
+
+
+def test_async_grpo_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", faircast=True)
+    assert args.faircast is True  # the config accepts the flag ...
+    with pytest.raises(FairCastUnsupportedError, match="AsyncGRPOTrainer is not supported yet"):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset)
+
+
+def test_patch_is_idempotent_and_removable():
+    import trl
+    from trl.trainer import grpo_config
+
+    import faircast_plugins.trl as fc_trl
+    from faircast_plugins.patching import is_patched
+
+    fc_trl.patch()  # already applied on import: a no-op
+    assert getattr(grpo_config.GRPOConfig, "__faircast_config__", False)
+    fc_trl.unpatch()
+    try:
+        assert not getattr(grpo_config.GRPOConfig, "__faircast_config__", False)
+        assert not is_patched(trl.GRPOTrainer.__init__)
+        with pytest.raises(TypeError):
+            grpo_config.GRPOConfig(output_dir="/tmp/x", use_cpu=True, faircast=True)
+    finally:
+        fc_trl.patch()
+    assert is_patched(trl.GRPOTrainer.__init__) and trl.GRPOConfig is grpo_config.GRPOConfig

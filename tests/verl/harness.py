@@ -1,0 +1,243 @@
+"""One rank of verl's real ``ActorRolloutRefWorker`` on CPU/gloo, run as a subprocess by the tests.
+
+    python -m tests.verl.harness '<json options>'
+
+The rank composes verl's own ``ppo_trainer.yaml`` (CPU overrides only), builds the worker, and runs the path a
+PPO step takes: ``init_model`` -> ``compute_log_prob`` -> ``update_actor`` (two optimizer steps) ->
+``update_weights(mode="naive")`` into a recording rollout -> ``compute_log_prob`` again. Forward pre-hooks record
+the bf16 weights each forward actually used. It saves, per rank, the exported tensors, the weights the last
+forward used, the full fp32 masters at export time, and the Fair Cast version, for the test to compare.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import sys
+
+import torch
+
+VERL_CONFIG_NAME = "ppo_trainer"
+
+
+def cpu_overrides(model_dir: str, strategy: str, batch: int, world: int) -> list:
+    """The minimal overrides that let verl's own config run on CPU (see shims/cpu_platform.py)."""
+    a = "actor_rollout_ref."
+    return [
+        f"{a}model.path={model_dir}",
+        f"{a}actor.strategy={strategy}",
+        f"{a}ref.strategy={strategy}",
+        f"{a}model.use_remove_padding=False",
+        f"{a}model.enable_gradient_checkpointing=False",
+        f"+{a}model.override_config.attn_implementation=sdpa",
+        f"{a}actor.use_torch_compile=False",
+        f"{a}actor.fsdp_config.use_torch_compile=False",
+        f"{a}actor.ppo_mini_batch_size={batch // 2 * world}",
+        f"{a}actor.ppo_micro_batch_size_per_gpu={batch // 2}",
+        f"{a}actor.use_dynamic_bsz=False",
+        f"{a}actor.optim.lr=1e-3",
+        f"{a}actor.use_kl_loss=False",
+        f"{a}rollout.name=faircast_record",
+        f"{a}rollout.free_cache_engine=False",
+        f"{a}rollout.log_prob_micro_batch_size_per_gpu={batch}",
+        f"{a}rollout.n=1",
+        f"{a}rollout.tensor_model_parallel_size=1",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.use_v1=false",
+    ]
+
+
+def compose(overrides: list, config_file: str | None = None):
+    """Compose verl's ``ppo_trainer`` (or a user config file that builds on it) with ``overrides``, as hydra would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import verl.trainer.config as verl_config
+
+    if config_file is None:
+        config_dir, name = os.path.dirname(verl_config.__file__), VERL_CONFIG_NAME
+    else:
+        config_dir, name = os.path.dirname(os.path.abspath(config_file)), os.path.basename(config_file)[:-len(".yaml")]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir, version_base=None):
+        return hydra_compose(name, overrides=overrides)
+
+
+def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """A left/right-padded PPO batch the way verl's driver hands it to the worker (no-padding conversion)."""
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    total = prompt_len + response_len
+    input_ids = torch.randint(3, vocab, (batch, total), generator=g)
+    attention_mask = torch.ones(batch, total, dtype=torch.int64)
+    for i in range(batch):  # ragged prompts (left padding) and responses (right padding)
+        attention_mask[i, : i % 3] = 0
+        attention_mask[i, total - (i % 4):] = 0
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = attention_mask[:, prompt_len:].clone()
+    td = TensorDict(
+        {
+            "prompts": input_ids[:, :prompt_len],
+            "responses": input_ids[:, prompt_len:],
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "old_log_probs": torch.randn(batch, response_len, generator=g) * 0.1 - 3.0,
+            "advantages": torch.randn(batch, response_len, generator=g),
+        },
+        batch_size=[batch],
+    )
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=1.0, multi_turn=False)
+    return td
+
+
+class ForwardRecorder:
+    """Forward pre-hooks that keep the weights (bf16 compute copies) each module's forward actually reads."""
+
+    def __init__(self, module):
+        self.seen = {}
+        self.handles = []
+        for prefix, sub in module.named_modules():
+            names = [n for n in ("weight", "bias") if isinstance(getattr(sub, n, None), torch.Tensor)]
+            names += [n for n, _ in sub.named_parameters(recurse=False) if n not in names]  # packed MoE experts
+            if names and (not list(sub.children()) or "experts" in prefix.rsplit(".", 1)[-1]):
+                self.handles.append(sub.register_forward_pre_hook(self._hook(prefix, names)))
+
+    def _hook(self, prefix, names):
+        from faircast_plugins.key import canonical_name
+
+        def hook(module, args):
+            for n in names:
+                t = getattr(module, n)
+                self.seen[canonical_name(f"{prefix}.{n}")] = t.detach().to_local().clone() if hasattr(t, "to_local") else t.detach().clone()
+
+        return hook
+
+    def take(self):
+        seen, self.seen = self.seen, {}
+        return seen
+
+
+def full_masters(module) -> dict:
+    """Full fp32 masters of an FSDP1/FSDP2 module, by canonical name (every rank gets all of them)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from faircast_plugins.key import canonical_name
+
+    if isinstance(module, FSDP):
+        with FSDP.summon_full_params(module, writeback=False):
+            return {canonical_name(n): p.detach().clone() for n, p in module.named_parameters()}
+    return {canonical_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def run_case(case: dict, opts: dict, world: int) -> dict:
+    """One worker through one PPO step's path; returns what the test compares."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from faircast_plugins.verl.engine import state_of
+    from tests.verl.shims import cpu_platform
+
+    model_dir = case.get("model_dir", opts["model_dir"])
+    if case.get("config_file"):  # a user config file (the tiny CPU example): it carries the CPU settings itself
+        overrides = [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=faircast_record"]
+        cfg = compose(overrides + case.get("overrides", []), case["config_file"])
+    else:
+        overrides = cpu_overrides(model_dir, case["strategy"], opts["batch"], world)
+        cfg = compose(overrides + case.get("overrides", []))
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=case.get("role", "actor_rollout"))
+    worker.init_model()
+    engine = worker.actor.engine
+    if case.get("export_only"):
+        # Negative control for the trainer half: Fair Cast on for the export only; FSDP keeps its stock cast.
+        from faircast_plugins.fsdp import unregister_fsdp_module
+
+        unregister_fsdp_module(engine.module)
+    recorder = ForwardRecorder(engine.module)
+    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
+
+    from verl.utils import tensordict_utils as tu
+
+    def log_prob():
+        td = data.clone()
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+        worker.compute_log_prob(td)
+
+    result = {"rank": torch.distributed.get_rank()}
+    log_prob()
+    result["forward_v0"] = recorder.take()
+    result["masters_v0"] = full_masters(engine.module)
+
+
+    if case.get("load_checkpoint"):
+        worker.load_checkpoint(case["load_checkpoint"])
+    else:
+        td = data.clone()
+        mb = opts["batch"] // 2 * world
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        out = worker.update_actor(td)
+        recorder.take()
+        metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
+        result["metrics"] = {k: v for k, v in metrics.items() if k.startswith("faircast/")}
+        if case.get("save_checkpoint"):
+            worker.save_checkpoint(case["save_checkpoint"], global_step=2)
+
+    cpu_platform.RECEIVED.clear()
+    asyncio.run(worker.update_weights(mode="naive"))
+    assert cpu_platform.RECEIVED, "update_weights did not reach the rollout"
+    result["exports"] = list(cpu_platform.RECEIVED)  # LoRA: the base weights, then the adapters
+    result["exported"] = {k: v for part in cpu_platform.RECEIVED for k, v in part.items()}
+    if case.get("checkpoint_engine"):  # the non-naive path (nccl/nixl/hccl backends): send_weights
+        cpu_platform.SENT_BY_CHECKPOINT_ENGINE.clear()
+        asyncio.run(worker.update_weights())  # mode "auto" -> rollout.checkpoint_engine.backend
+        result["sent_by_checkpoint_engine"] = cpu_platform.SENT_BY_CHECKPOINT_ENGINE.pop()
+    result["masters"] = full_masters(engine.module)
+    log_prob()
+    result["forward"] = recorder.take()
+
+    state = state_of(engine)
+    result["version"] = state.caster.version if state is not None else None
+    result["seed"] = state.caster.config.seed if state is not None else None
+
+    return result
+
+
+def run(opts: dict) -> None:
+    rank, world = opts["rank"], opts["world"]
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts["port"]))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+    from tests.verl.shims import cpu_platform
+
+    cpu_platform.install()
+    import verl  # noqa: F401  (loads the faircast verl.plugins entry point, as in every verl process)
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from faircast_plugins.patching import is_patched
+
+    assert is_patched(ActorRolloutRefWorker.init_model), "the verl.plugins entry point did not patch verl"
+
+    for case in opts["cases"]:  # several workers, one after the other, in one process group
+        torch.manual_seed(0)
+        print(f"=== case {case['name']} ===", flush=True)
+        result = run_case(case, opts, world)
+        torch.save(result, os.path.join(opts["out_dir"], f"{case['name']}_rank{rank}.pt"))
+        gc.collect()
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))

@@ -1,0 +1,225 @@
+"""The flag in verl configs (YAML, ``+`` override, wrapper), clear errors on bad values, and plugin activation."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from faircast_plugins.verl.config import check_supported, read_faircast
+
+from .harness import compose, cpu_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "verl"
+WRAPPER_CONFIG = ROOT / "faircast_plugins" / "verl" / "hydra_config" / "faircast_ppo_trainer.yaml"
+
+
+def validated(cfg):
+    """verl's own driver-side validation, as main_ppo runs it."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    return cfg
+
+
+def _run(args, **env):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+# -- the flag reaches actor_rollout_ref.faircast ----------------------------------------------------------------
+
+
+GRPO = "algorithm.adv_estimator=grpo"  # no critic: validation then loads only the (tiny) actor model
+
+
+def test_plus_override_on_verls_own_config(model_dir):
+    cfg = validated(compose(cpu_overrides(model_dir, "fsdp2", 8, 1) + [GRPO, "+actor_rollout_ref.faircast=true"]))
+    fc = read_faircast(cfg.actor_rollout_ref)
+    assert fc.enabled and fc.mode == "stochastic" and fc.seed == 0
+    check_supported(fc, cfg.actor_rollout_ref)
+
+
+def test_plus_override_mapping(model_dir):
+    cfg = compose(cpu_overrides(model_dir, "fsdp", 8, 1)
+                  + [GRPO, "+actor_rollout_ref.faircast={enable:true,mode:stochastic,seed:7,audit:true}"])
+    fc = read_faircast(validated(cfg).actor_rollout_ref)
+    assert fc.enabled and fc.seed == 7 and fc.audit
+
+
+def test_absent_flag_means_off():
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1))
+    assert read_faircast(cfg.actor_rollout_ref) is None
+
+
+@pytest.mark.parametrize("name", ["grpo_gsm8k_faircast", "grpo_tiny_cpu"])
+def test_flag_in_user_yaml(name, model_dir):
+    cfg = compose([f"actor_rollout_ref.model.path={model_dir}"], str(EXAMPLES / f"{name}.yaml"))
+    validated(cfg)
+    fc = read_faircast(cfg.actor_rollout_ref)
+    assert fc.enabled
+    check_supported(fc, cfg.actor_rollout_ref)
+    assert cfg.algorithm.adv_estimator == "grpo"
+
+
+@pytest.mark.parametrize("flag, enabled, seed", [("faircast=true", True, 0), ("faircast=false", False, 0),
+                                                  ("faircast={enable:true,seed:9}", True, 9)])
+def test_wrapper_config_top_level_flag(flag, enabled, seed, model_dir):
+    cfg = validated(compose(cpu_overrides(model_dir, "fsdp2", 8, 1) + [GRPO, flag], str(WRAPPER_CONFIG)))
+    fc = read_faircast(cfg.actor_rollout_ref)
+    assert fc.enabled is enabled and fc.seed == seed
+
+
+def test_wrapper_cli_composes_and_forwards_the_flag():
+    """``python -m faircast_plugins.verl.main_ppo faircast=true --cfg job`` prints the composed job config."""
+    proc = _run(["-m", "faircast_plugins.verl.main_ppo", "faircast=true", "--cfg", "job", "--resolve"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = OmegaConf.create(proc.stdout)
+    assert job.faircast is True and job.actor_rollout_ref.faircast is True
+    assert job.algorithm.adv_estimator == "gae"  # verl's own defaults are untouched
+
+
+def test_wrapper_rejects_bad_value_before_starting_anything(model_dir):
+    """The wrapper validates the flag in the driver, before verl's main_ppo (and Ray) would start."""
+    from faircast_plugins.verl.main_ppo import run
+
+    cfg = compose(cpu_overrides(model_dir, "fsdp2", 8, 1) + [GRPO, "faircast=maybe"], str(WRAPPER_CONFIG))
+    with pytest.raises(ValueError, match="actor_rollout_ref.faircast: faircast must be true or false, got 'maybe'"):
+        run(cfg)
+
+
+# -- clear errors ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, message", [
+    ("maybe", "must be true or false"),
+    ({"enable": True, "mode": "bogus"}, "unknown Fair Cast mode"),
+    ({"enable": True, "sed": 1}, "unknown faircast option"),
+    ({"enable": True, "seed": -1}, "seed must be an integer"),
+    ({"enable": True, "ema_decay": 1.5}, "ema_decay must be in"),
+])
+def test_bad_values_are_clear_errors(value, message):
+    with pytest.raises(ValueError, match="actor_rollout_ref.faircast") as err:
+        read_faircast(OmegaConf.create({"faircast": value}))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.strategy=megatron", "Megatron"),
+    ("actor_rollout_ref.model.lora_rank=8,actor_rollout_ref.model.lora.merge=true", "lora.merge=true"),
+    ("actor_rollout_ref.model.lora_rank=8,actor_rollout_ref.actor.strategy=fsdp", "fsdp2 only"),
+    ("actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded", "delta_sharded"),
+    ("actor_rollout_ref.rollout.dtype=float16", "bf16 rollout"),
+])
+def test_unsupported_setups_are_refused(override, message):
+    """Refused before the model is built, with the reason (unmerged LoRA, below, is supported)."""
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true", *override.split(",")])
+    fc = read_faircast(cfg.actor_rollout_ref)
+    with pytest.raises(ValueError, match=message):
+        check_supported(fc, cfg.actor_rollout_ref)
+
+
+def test_unmerged_lora_is_accepted():
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true",
+                                                          "actor_rollout_ref.model.lora_rank=8"])
+    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+
+
+@pytest.mark.parametrize("mode_value, message", [({"enable": True, "mode": "error_feedback"}, "error_feedback"),
+                                                 ({"enable": True, "ema_decay": 0.5}, "ema_decay")])
+def test_stateful_modes_are_refused(mode_value, message):
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1))
+    fc = read_faircast(OmegaConf.create({"faircast": mode_value}))
+    with pytest.raises(ValueError, match=message):
+        check_supported(fc, cfg.actor_rollout_ref)
+
+
+# -- plugin activation ----------------------------------------------------------------------------------------
+
+_PROBE = ("import verl, verl.workers.engine_workers as w; from faircast_plugins.patching import is_patched; "
+          "print('PATCHED' if is_patched(w.ActorRolloutRefWorker.init_model) else 'UNPATCHED')")
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
+    assert eps.get("faircast") == "faircast_plugins.verl.plugin"
+
+
+def test_plugin_patches_verl_on_import_and_logs_loudly():
+    proc = _run(["-c", _PROBE])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PATCHED" in proc.stdout
+    assert "Fair Cast ACTIVE for verl 0.9.1: patched 9 symbol(s)" in proc.stderr
+
+
+def test_plugin_disabled_by_verl_policy_patches_nothing():
+    """Control: with verl's plugin loading switched off, nothing is patched."""
+    proc = _run(["-c", _PROBE], VERL_USE_EXTERNAL_PLUGINS="none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UNPATCHED" in proc.stdout and "Fair Cast ACTIVE" not in proc.stderr
+
+
+def test_unsupported_verl_version_is_refused_loudly():
+    """Outside the supported range nothing is patched, an ERROR names the installed verl, and a worker whose
+    config asks for Fair Cast refuses to start."""
+    code = (
+        "import faircast_plugins.verl.patches as p; p.VERL_SPECIFIER = '>=0.10,<0.11'\n"
+        "import verl, verl.workers.engine_workers as w\n"
+        "from types import SimpleNamespace\nfrom omegaconf import OmegaConf\n"
+        "from faircast_plugins.patching import FairCastPatchError\n"
+        "try:\n"
+        "    w.ActorRolloutRefWorker.init_model(SimpleNamespace(config=OmegaConf.create({'faircast': True})))\n"
+        "except FairCastPatchError as e:\n"
+        "    print('REFUSED:', e)\n"
+    )
+    proc = _run(["-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Fair Cast is UNAVAILABLE" in proc.stderr and "installed verl is 0.9.1" in proc.stderr
+    assert "REFUSED: actor_rollout_ref.faircast is set but Fair Cast cannot run" in proc.stdout
+
+
+def test_missing_symbol_names_the_installed_version():
+    from faircast_plugins.patching import FairCastPatchError
+    from faircast_plugins.verl.patches import build_patch_set
+
+    patches = build_patch_set().wrap("verl.workers.engine_workers:ActorRolloutRefWorker.no_such_method", lambda f: f)
+    with pytest.raises(FairCastPatchError, match=r"cannot patch verl 0\.9\.1.*no_such_method"):
+        patches.apply()
+    assert not patches.active
+
+
+@pytest.mark.parametrize("method, message", [("get_per_tensor_param_shard", "delta_sharded"),
+                                             ("_merged_lora_per_tensor_param", "merged LoRA")])
+def test_unsupported_export_paths_refuse_when_active(method, message):
+    """The guarded FSDPEngine export paths raise for an engine Fair Cast is active on (and only then)."""
+    from types import SimpleNamespace
+
+    import verl.workers.engine_workers  # noqa: F401  (importing it applies the plugin's patches)
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from faircast_plugins.patching import is_patched
+
+    assert is_patched(getattr(FSDPEngine, method))
+    with pytest.raises(RuntimeError, match=message):
+        getattr(FSDPEngine, method)(SimpleNamespace(_faircast=object()))
+
+
+def test_unverified_torch_is_refused_with_its_version(monkeypatch):
+    """The FSDP cast sites are private torch APIs: outside the verified torch range activation fails, naming it."""
+    import torch
+
+    from faircast_plugins import fsdp
+    from faircast_plugins.patching import FairCastPatchError
+
+    monkeypatch.setattr(fsdp, "TORCH_SPECIFIER", ">=2.14,<2.15")
+    with pytest.raises(FairCastPatchError, match=re.escape(f"installed torch is {torch.__version__}")):
+        fsdp.apply_fsdp_cast_patches()
+    assert fsdp._PATCHES is None or not fsdp._PATCHES.active

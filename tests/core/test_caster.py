@@ -166,3 +166,14 @@ def test_metrics_follow_the_master_under_stochastic_and_lag_under_nearest():
     assert rne["faircast/bias_rel_cumulative"] == 1.0 and sr["faircast/bias_rel_cumulative"] < 0.1
     assert rne["faircast/lag_steps"] > 5 and abs(sr["faircast/lag_steps"]) < 1
     assert sr["faircast/version"] == 12.0
+
+
+def test_audit_keeps_a_full_cast_and_a_shard_cast_of_one_name_apart():
+    caster = FairCaster(FairCastConfig(enabled=True, audit=True))
+    x = torch.randn(1000)
+    for _ in range(3):
+        caster.cast("w", x)           # e.g. the export of the full parameter
+        caster.cast("w", x[:400])     # e.g. rank 0's shard cast by FSDP, also at offset 0
+        x += 1e-3
+        caster.advance()
+    assert caster.metrics()["faircast/master_moved_frac"] == 1.0

@@ -101,3 +101,19 @@ def tests_verl(session: nox.Session) -> None:
     session.run_install("python", "tests/verl/shims/vllm_distinfo.py")
     _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
                                         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+@nox.session(name="tests-openrlhf", python=PYTHON, tags=["tests"])
+def tests_openrlhf(session: nox.Session) -> None:
+    """DeepSpeed copy-back patch (ZeRO 0/1/2/3, BF16_Optimizer, offload; world 1 and 2, gloo on CPU) and the OpenRLHF adapter.
+
+    openrlhf is installed with --no-deps: its pins include flash-attn, an sdist that cannot build on CPU.
+    Tests use torch optimizers, so no DeepSpeed C++ op is built.
+    """
+    session.install(TORCH)
+    session.install("--no-deps", "openrlhf==0.11.2")
+    session.install("deepspeed==0.19.6", "ray==2.55.0", "transformers==5.15.0", "pytest", "numpy")
+    # What openrlhf imports at module level (its own pins, minus flash-attn, which tests/openrlhf/shims.py stubs).
+    session.install("peft", "torchdata", "pylatexenc", "accelerate", "aiohttp", "pillow")
+    session.install("-e", ".")
+    _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})

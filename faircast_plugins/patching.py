@@ -11,6 +11,7 @@ A patch that does not take effect must never be silent, so nothing here swallows
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -164,6 +165,24 @@ class PatchSet:
                 delattr(item.owner, item.attr)
             else:
                 setattr(item.owner, item.attr, item.previous)
+
+
+@contextlib.contextmanager
+def temporarily(owner: Any, attr: str, value: Any):
+    """Set ``owner.attr = value`` for the duration of a ``with`` block, then restore it exactly.
+
+    For overrides scoped to one call (DeepSpeed's copy-back intercepts ``torch.Tensor.copy_`` only while
+    its optimizer step runs); framework patches that stay installed belong in a :class:`PatchSet`.
+    """
+    previous = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, previous)
 
 
 def _mark(obj: Any, target: str) -> None:

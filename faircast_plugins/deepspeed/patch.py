@@ -1,0 +1,373 @@
+"""Fair Cast for DeepSpeed bf16 training: the fp32 -> bf16 copy-back after each optimizer step.
+
+In DeepSpeed bf16 training the module's parameters *are* the bf16 copy (the forward, hence the loss and
+the old log-probs, run on them, and they are what gets broadcast to a rollout engine) while the fp32
+masters live in the optimizer wrapper. After every step the wrapper copies the masters back with a plain
+``Tensor.copy_`` (round-to-nearest). This patch makes that copy follow ROUNDING.md, which gives both halves
+of Fair Cast at once.
+
+DeepSpeed has no hook there, so the patch wraps ``DeepSpeedEngine._take_model_step`` (inert for engines
+without Fair Cast: critic, reference, reward, EMA) and, for the duration of that call only, routes every
+fp32 -> bf16 ``copy_`` whose destination is this engine's weight memory through the caster, keyed by the
+parameter's canonical name and each element's index in the *full* parameter. One site per configuration:
+
+==========================================  ==========================================================
+ZeRO-0 (FP16_Optimizer, FP16_Unfused)       per parameter, replicated on every rank
+BF16_Optimizer (ZeRO-1 + fp32 grad accum)   ``update_lp_params``: this rank's flat partition
+ZeRO-1/2                                    ``step``: this rank's flat partition, per param group
+ZeRO-1/2 + CPU offload                      ``step``: into a staging buffer, then into the partition
+ZeRO-3 (+ offload)                          ``_reassign_or_swap_out_partitioned_parameters``
+==========================================  ==========================================================
+
+Each step must cast at least one element, or it fails loudly (a DeepSpeed change, or a mode without an
+fp32 master); a step DeepSpeed skips on overflow leaves the weight version unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from ..caster import FairCaster
+from ..key import canonical_name
+from ..patching import FairCastPatchError, PatchSet, temporarily
+from .layout import WeightLayout
+
+logger = logging.getLogger("faircast_plugins")
+
+DEEPSPEED_SPECIFIER = ">=0.19,<0.20"
+STATE_FILE = "faircast_state_rank{rank:05d}.pt"
+
+# The optimizer wrappers whose copy-back sites were verified (runtime module, class name).
+SUPPORTED_OPTIMIZERS = {
+    "FP16_Optimizer": "deepspeed.runtime.fp16.fused_optimizer",
+    "FP16_UnfusedOptimizer": "deepspeed.runtime.fp16.unfused_optimizer",
+    "BF16_Optimizer": "deepspeed.runtime.bf16_optimizer",
+    "DeepSpeedZeroOptimizer": "deepspeed.runtime.zero.stage_1_and_2",
+    "DeepSpeedZeroOptimizer_Stage3": "deepspeed.runtime.zero.stage3",
+}
+
+_ORIGINAL_COPY = torch.Tensor.copy_
+
+
+class _CopyBackInterceptor:
+    """Stands in for ``torch.Tensor.copy_`` during one optimizer step of one engine."""
+
+    def __init__(self, layout: WeightLayout, caster: FairCaster):
+        self.layout, self.caster = layout, caster
+        self.copies_seen = 0
+        self.elements_cast = 0
+        self._busy = False
+
+    def copy_(self, dst: torch.Tensor, src, non_blocking: bool = False):
+        if (
+            self._busy
+            or not isinstance(src, torch.Tensor)
+            or dst.dtype != torch.bfloat16
+            or src.dtype != torch.float32
+        ):
+            return _ORIGINAL_COPY(dst, src, non_blocking)
+        self.copies_seen += 1
+        if not dst.is_contiguous():
+            if self.layout.touches(dst):
+                raise FairCastPatchError(
+                    f"DeepSpeed copied fp32 into a non-contiguous view {tuple(dst.shape)} of the bf16 weights; Fair Cast "
+                    f"does not know which parameter elements it covers and refuses to leave them round-to-nearest"
+                )
+            return _ORIGINAL_COPY(dst, src, non_blocking)
+        segments = self.layout.segments(dst)
+        if not segments:
+            return _ORIGINAL_COPY(dst, src, non_blocking)
+        if not src.is_contiguous() or src.numel() != dst.numel():
+            raise FairCastPatchError(
+                f"DeepSpeed copied an fp32 tensor {tuple(src.shape)} into bf16 weights {tuple(dst.shape)} in a layout "
+                f"Fair Cast does not know; refusing to guess which master element lands where"
+            )
+        _ORIGINAL_COPY(dst, src, non_blocking)  # padding between parameters keeps DeepSpeed's own bits
+        flat_dst, flat_src = dst.view(-1), src.view(-1)
+        self._busy = True
+        try:
+            for seg in segments:
+                x = flat_src[seg.begin: seg.begin + seg.length]
+                if x.device != flat_dst.device:  # offloaded master: round where the weights live
+                    x = x.to(flat_dst.device)
+                self.caster.cast(seg.name, x, offset=seg.offset, out=flat_dst[seg.begin: seg.begin + seg.length])
+                self.elements_cast += seg.length
+        finally:
+            self._busy = False
+        return dst
+
+
+class DeepSpeedFairCast:
+    """Fair Cast state of one DeepSpeed engine: the caster, the canonical names of its trainable parameters."""
+
+    def __init__(self, engine, caster: FairCaster, named_params):
+        self.engine = engine
+        self.caster = caster
+        self.named_params = named_params
+        self.last_step_elements = 0
+
+    def _intercepting(self, interceptor: "_CopyBackInterceptor"):
+        def copy_(dst, src, non_blocking=False):  # a plain function, so that it binds to the tensor like copy_
+            return interceptor.copy_(dst, src, non_blocking)
+
+        return temporarily(torch.Tensor, "copy_", copy_)
+
+    def take_model_step(self, original, *args, **kwargs):
+        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster)
+        self.caster.advance()  # the copy-back writes the weights after this step: the next version
+        try:
+            with self._intercepting(interceptor):
+                result = original(self.engine, *args, **kwargs)
+        except BaseException:
+            self.caster.version -= 1
+            raise
+        if interceptor.elements_cast == 0:
+            self.caster.version -= 1  # nothing was cast at the new version
+            if getattr(self.engine.optimizer, "overflow", False):
+                return result  # DeepSpeed skipped this step: the weights did not change
+            raise FairCastPatchError(
+                f"Fair Cast saw {interceptor.copies_seen} fp32->bf16 copies but none into the model's weights during "
+                f"a DeepSpeed {_installed()} optimizer step ({type(self.engine.optimizer).__name__}); the served bf16 "
+                f"copy would silently stay round-to-nearest. This DeepSpeed version or configuration is not supported."
+            )
+        self.last_step_elements = interceptor.elements_cast
+        return result
+
+    def recast_after_load(self) -> None:
+        """Re-derive ZeRO-3's bf16 partitions from the loaded masters at the current version.
+
+        ZeRO-3 rebuilds its bf16 weights from the fp32 masters with round-to-nearest when it loads a
+        checkpoint; ZeRO-0/1/2 and BF16_Optimizer restore the saved (Fair Cast) bf16 bits themselves.
+        """
+        if self.engine.zero_optimization_stage() != 3:
+            return
+        opt = self.engine.optimizer
+        if not hasattr(opt, "_reassign_or_swap_out_partitioned_parameters"):
+            raise FairCastPatchError(
+                f"DeepSpeed {_installed()} ZeRO-3 has no _reassign_or_swap_out_partitioned_parameters; Fair Cast cannot "
+                f"restore the served copy after a checkpoint load"
+            )
+        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster)
+        with torch.no_grad(), self._intercepting(interceptor):
+            for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+        _regather_persistent(opt.persistent_parameters)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def state_path(self, tag_dir: str) -> str:
+        import deepspeed.comm as dist
+
+        return os.path.join(tag_dir, STATE_FILE.format(rank=dist.get_rank()))
+
+    def save(self, tag_dir: str) -> str:
+        """Write this rank's Fair Cast state (seed, weight version, error-feedback residuals) next to the checkpoint."""
+        state = _to_cpu(self.caster.state_dict())
+        state["deepspeed"] = {
+            "zero_stage": self.engine.zero_optimization_stage(),
+            "world_size": self.engine.world_size,
+            "global_steps": self.engine.global_steps,
+        }
+        path = self.state_path(tag_dir)
+        os.makedirs(tag_dir, exist_ok=True)
+        torch.save(state, path)
+        return path
+
+    def load(self, tag_dir: str) -> None:
+        """Restore this rank's Fair Cast state from a checkpoint directory written by :meth:`save`."""
+        path = self.state_path(tag_dir)
+        if not os.path.exists(path):
+            if self.caster.mode == "error_feedback":
+                raise FairCastPatchError(
+                    f"resuming with faircast mode=error_feedback needs this rank's residuals, but {path} does not "
+                    f"exist (checkpoint written without Fair Cast, or with a different world size)"
+                )
+            self.caster.version = int(self.engine.global_steps)
+            logger.warning("Fair Cast: %s has no Fair Cast state; weight version set to the engine's global step %d",
+                           tag_dir, self.caster.version)
+            self.recast_after_load()
+            return
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved = state.get("deepspeed", {})
+        if self.caster.mode == "error_feedback" and saved.get("world_size") not in (None, self.engine.world_size):
+            raise FairCastPatchError(
+                f"error-feedback residuals in {tag_dir} were written at world size {saved['world_size']}, this run has "
+                f"{self.engine.world_size}: the residuals are per-rank state; resume at the same world size"
+            )
+        self.caster.load_state_dict(state)
+        self.recast_after_load()
+
+
+def _regather_persistent(params) -> None:
+    """Refresh the full copies ZeRO-3 keeps of small ("persistent") parameters from their recast partitions."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in params:
+        if p.ds_status != ZeroParamStatus.AVAILABLE or p.data.numel() != p.ds_numel:
+            continue  # not gathered now: DeepSpeed gathers it from the partitions when it is used
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size(group=p.ds_process_group))]
+        dist.all_gather(parts, p.ds_tensor.data, group=p.ds_process_group)
+        full = torch.cat([t.to(p.data.device) for t in parts])[: p.ds_numel]
+        p.data.copy_(full.view_as(p.data))
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _installed() -> str:
+    from ..patching import installed_version
+
+    return installed_version("deepspeed") or "?"
+
+
+# -- the class-level patches ---------------------------------------------------------------------------------
+def _wrap_take_model_step(original):
+    @functools.wraps(original)
+    def _take_model_step(self, *args, **kwargs):
+        fc = self.__dict__.get("_faircast")
+        if fc is None:
+            return original(self, *args, **kwargs)
+        return fc.take_model_step(original, *args, **kwargs)
+
+    return _take_model_step
+
+
+def _wrap_save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
+        fc = self.__dict__.get("_faircast")
+        if fc is not None and tag is None:
+            tag = f"global_step{self.global_steps}"  # DeepSpeed's own default, resolved here to know the folder
+        result = original(self, save_dir, tag, *args, **kwargs)
+        if fc is not None:
+            fc.save(os.path.join(save_dir, str(tag)))
+        return result
+
+    return save_checkpoint
+
+
+def _wrap_load_checkpoint(original):
+    @functools.wraps(original)
+    def load_checkpoint(self, *args, **kwargs):
+        load_path, client_states = original(self, *args, **kwargs)
+        if load_path is not None:
+            # Remembered even before Fair Cast is attached (OpenRLHF loads inside its actor's init).
+            self.__dict__["_faircast_loaded_from"] = os.path.dirname(load_path)
+            fc = self.__dict__.get("_faircast")
+            if fc is not None:
+                fc.load(os.path.dirname(load_path))
+        return load_path, client_states
+
+    return load_checkpoint
+
+
+def _build_patchset() -> PatchSet:
+    engine = "deepspeed.runtime.engine:DeepSpeedEngine."
+    return (
+        PatchSet("DeepSpeed", "deepspeed", DEEPSPEED_SPECIFIER)
+        .wrap(engine + "_take_model_step", _wrap_take_model_step)
+        .wrap(engine + "save_checkpoint", _wrap_save_checkpoint)
+        .wrap(engine + "load_checkpoint", _wrap_load_checkpoint)
+    )
+
+
+PATCHES = _build_patchset()
+
+
+def install_deepspeed_patch() -> PatchSet:
+    """Install the class-level DeepSpeed patches (idempotent). They act only on engines with Fair Cast attached."""
+    return PATCHES.apply(details="copy-back of engines with Fair Cast attached follows ROUNDING.md")
+
+
+def apply_deepspeed_patch(engine, caster: FairCaster, *, module: Optional[torch.nn.Module] = None) -> Optional[DeepSpeedFairCast]:
+    """Make ``engine``'s fp32 -> bf16 copy-back after each optimizer step follow the Fair Cast contract.
+
+    ``engine``: the ``deepspeed.DeepSpeedEngine`` of the policy (only that one: critic, reference and EMA
+    engines stay as they are). ``caster``: a :class:`~faircast_plugins.FairCaster`, at the weight version
+    of the engine's masters (0 for a fresh run). ``module``: the Hugging Face model whose
+    ``named_parameters()`` give the canonical names (default ``engine.module``; pass the inner model when
+    the engine wraps it, e.g. OpenRLHF's ``Actor.model``).
+
+    Returns the attached :class:`DeepSpeedFairCast` (also ``engine._faircast``), or ``None`` when the
+    config is neither enabled nor auditing (the engine is left untouched). Raises
+    :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported DeepSpeed versions or modes.
+    """
+    if not caster.config.active:
+        return None
+    install_deepspeed_patch()
+    _check_engine(engine, caster)
+    named = _named_trainable(engine, module if module is not None else engine.module)
+    fc = DeepSpeedFairCast(engine, caster, named)
+    engine.__dict__["_faircast"] = fc
+    loaded = engine.__dict__.get("_faircast_loaded_from")
+    if loaded:
+        fc.load(loaded)
+    logger.warning(
+        "Fair Cast attached to DeepSpeed engine (ZeRO-%d, %s, %d trainable parameters): %s, weight version %d",
+        engine.zero_optimization_stage(), type(engine.optimizer).__name__, len(named), caster.config.describe(),
+        caster.version,
+    )
+    return fc
+
+
+def remove_deepspeed_patch(engine) -> None:
+    """Detach Fair Cast from ``engine``: its copy-back is round-to-nearest again."""
+    engine.__dict__.pop("_faircast", None)
+
+
+def _check_engine(engine, caster: FairCaster) -> None:
+    version = _installed()
+    if not engine.bfloat16_enabled():
+        raise FairCastPatchError(
+            "Fair Cast's DeepSpeed patch needs bf16 training (\"bf16\": {\"enabled\": true}); this engine is not bf16"
+        )
+    if engine.bf16_master_weights_and_gradients():
+        raise FairCastPatchError(
+            "Fair Cast cannot work with DeepSpeed's bf16_master_weights_and_grads: the master itself is bf16, so "
+            "updates below half a bf16 step vanish inside the optimizer before any cast. Disable it (OpenRLHF does not set it)."
+        )
+    if engine.torch_autocast_enabled():
+        raise FairCastPatchError("Fair Cast's DeepSpeed patch does not support torch_autocast (module weights stay fp32)")
+    if caster.config.enabled and caster.config.ema_decay:
+        raise FairCastPatchError(
+            "faircast.ema_decay is not supported by the DeepSpeed patch (the EMA would be sharded per ZeRO partition); "
+            "use ema_decay=0"
+        )
+    opt = engine.optimizer
+    supported = any(
+        type(opt).__name__ == cls and type(opt).__module__ == mod for cls, mod in SUPPORTED_OPTIMIZERS.items()
+    )
+    if not supported:
+        raise FairCastPatchError(
+            f"Fair Cast supports the DeepSpeed {version} optimizer wrappers {', '.join(SUPPORTED_OPTIMIZERS)}; this "
+            f"engine uses {type(opt).__module__}.{type(opt).__name__} (ZenFlow, SuperOffload, DeepCompile and the like "
+            f"copy the masters elsewhere and are refused)"
+        )
+
+
+def _named_trainable(engine, module: torch.nn.Module):
+    names = {id(p): canonical_name(n) for n, p in module.named_parameters()}
+    named = []
+    for p in engine.module.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) not in names:
+            raise FairCastPatchError(
+                "a trainable parameter of the DeepSpeed engine is not in the module given for naming; pass the model "
+                "that holds every trainable parameter as module="
+            )
+        if p.dtype != torch.bfloat16:
+            raise FairCastPatchError(f"parameter {names[id(p)]} is {p.dtype}; Fair Cast's DeepSpeed patch needs bf16 weights")
+        named.append((names[id(p)], p))
+    if not named:
+        raise FairCastPatchError("the DeepSpeed engine has no trainable parameters")
+    return named

@@ -1,0 +1,118 @@
+"""Fair Cast inside OpenRLHF's policy actor: attach the DeepSpeed patch, report ``faircast/*`` metrics.
+
+``PolicyModelActor`` is a Ray actor class, and Ray ships it to the worker processes *by value*: patching
+the importable class on the driver does not reach the workers. What does reach them is the class stored
+in ``PolicyModelActor.__ray_metadata__.modified_class``, and functions stored in it travel *by reference*
+(``faircast_plugins.openrlhf.policy.<name>``), so every worker imports this module and runs the code
+below. :func:`patch_policy_actor` installs them on the driver before the actors are created; this works
+the same on a multi-node cluster as long as ``faircast-plugins`` is installed on every node.
+
+Only the policy's DeepSpeed engine gets Fair Cast: the critic, reference, reward and EMA engines are
+other objects and stay on DeepSpeed's own copy-back.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from ..caster import FairCaster
+from ..config import FairCastConfig
+from ..patching import FairCastPatchError, PatchSet
+
+logger = logging.getLogger("faircast_plugins")
+
+OPENRLHF_SPECIFIER = ">=0.11.2,<0.12"
+_ACTOR = "openrlhf.trainer.ray.ppo_actor:PolicyModelActor"
+
+
+def config_from_args(args) -> FairCastConfig:
+    """The Fair Cast config carried by OpenRLHF's (hierarchized) args as ``args.faircast``."""
+    ns = getattr(args, "faircast", None)
+    if ns is None:
+        return FairCastConfig(enabled=False)
+    values = vars(ns) if isinstance(ns, SimpleNamespace) else dict(ns)
+    return FairCastConfig.from_value({k: v for k, v in values.items() if v is not None})
+
+
+LORA_REFUSED = "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported: the trained adapters are not the served weights"
+
+
+def check_supported(args) -> FairCastConfig:
+    """The run's Fair Cast config; raises for OpenRLHF options Fair Cast refuses."""
+    config = config_from_args(args)
+    if config.active and getattr(getattr(getattr(args, "ds", None), "lora", None), "rank", 0):
+        raise FairCastPatchError(LORA_REFUSED)
+    return config
+
+
+def attach_to_policy(policy_actor, args) -> None:
+    """Give the policy actor's DeepSpeed engine (``policy_actor.actor.model``) Fair Cast per ``args.faircast``."""
+    from ..deepspeed import apply_deepspeed_patch
+
+    config = check_supported(args)
+    if not config.active:
+        return
+    engine = policy_actor.actor.model
+    apply_deepspeed_patch(engine, FairCaster(config))
+
+
+def policy_metrics(engine) -> dict:
+    """``faircast/*`` metrics of the policy engine since the last call, summed over all ranks (a collective)."""
+    from ..audit import TOTAL_KEYS, finalize
+
+    fc = engine.__dict__.get("_faircast")
+    if fc is None:
+        return {}
+    out = {"faircast/version": float(fc.caster.version)}
+    if fc.caster.audit is not None:
+        totals = fc.caster.audit.totals()
+        t = torch.tensor([totals[k] for k in TOTAL_KEYS], dtype=torch.float64)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_backend() == "nccl":
+                t = t.cuda()
+            torch.distributed.all_reduce(t)
+        out.update(finalize(dict(zip(TOTAL_KEYS, t.cpu().tolist()))))
+    return out
+
+
+# -- what runs inside the Ray actor (stored by reference in the shipped class) ---------------------------------
+def _original(method: str):
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+    return getattr(PolicyModelActor.__ray_actor_class__, method)  # the worker's own, unpatched class
+
+
+def init_model_from_pretrained(self, strategy, *args, **kwargs):
+    """OpenRLHF's policy init, then Fair Cast on the policy engine (restoring its checkpointed state)."""
+    from ..deepspeed import install_deepspeed_patch
+
+    if check_supported(strategy.args).active:  # refuse before minutes of model loading, not after
+        install_deepspeed_patch()  # before the init, so a checkpoint load records where Fair Cast state lives
+    result = _original("init_model_from_pretrained")(self, strategy, *args, **kwargs)
+    attach_to_policy(self, strategy.args)
+    return result
+
+
+def fit(self, *args, **kwargs):
+    """OpenRLHF's policy ``fit``, its status extended with the ``faircast/*`` metrics."""
+    status = _original("fit")(self, *args, **kwargs)
+    status.update(policy_metrics(self.actor.model))
+    return status
+
+
+_SHIPPED = _ACTOR + ".__ray_metadata__.modified_class."
+POLICY_PATCHES = (
+    PatchSet("OpenRLHF", "openrlhf", OPENRLHF_SPECIFIER)
+    .wrap(_SHIPPED + "init_model_from_pretrained", lambda _orig: init_model_from_pretrained)
+    .wrap(_SHIPPED + "fit", lambda _orig: fit)
+)
+
+
+def patch_policy_actor() -> PatchSet:
+    """On the driver, before the actors are created: route the policy actor's init and fit through Fair Cast.
+
+    Idempotent; ``POLICY_PATCHES.remove()`` undoes it.
+    """
+    return POLICY_PATCHES.apply(details="policy actor attaches the DeepSpeed copy-back patch in every Ray worker")

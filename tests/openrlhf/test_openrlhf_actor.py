@@ -1,0 +1,101 @@
+"""OpenRLHF's own actor, strategy and policy loss on CPU: what broadcast_to_vllm sends is the Fair Cast copy.
+
+See ``openrlhf_actor_worker.py`` for the run and its CPU substitutions (gloo instead of the CUDA-only
+``setup_distributed``, DeepSpeed's torch AdamW instead of the FusedAdam JIT build, an HF model standing in
+for vLLM's CUDA-only weight receiver).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from faircast_plugins import derive_key, fair_cast
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import openrlhf_actor_worker as worker  # noqa: E402
+
+RUNS = [(2, "on"), (3, "on"), (2, "off")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    d = tmp_path_factory.mktemp("openrlhf_actor")
+    for stage, flag in RUNS:
+        path = d / f"z{stage}-{flag}.pt"
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "openrlhf_actor_worker.py"), str(path), str(stage), flag],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"OpenRLHF actor run z{stage} {flag} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+        out[(stage, flag)] = torch.load(path, weights_only=False)
+    return out
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_broadcast_weights_are_the_fair_cast_copy(runs, stage):
+    rec = runs[(stage, "on")]
+    assert rec["zero_stage"] == stage
+    assert rec["versions"] == list(range(1, worker.STEPS + 1))
+    for step, (served, masters) in enumerate(zip(rec["served"], rec["masters"]), start=1):
+        assert len(served) == 27  # every parameter of the tiny Qwen2
+        for name, w in served.items():
+            want = fair_cast(masters[name].contiguous(), key=derive_key(worker.SEED, step, name))
+            diff = int((_bits(w) != _bits(want)).sum())
+            assert diff == 0, f"ZeRO-{stage} step {step}: {name} differs from fair_cast(master) in {diff} elements"
+
+
+def test_same_copy_under_zero2_and_zero3(runs):
+    a, b = runs[(2, "on")], runs[(3, "on")]
+    for step in range(worker.STEPS):
+        for name in a["masters"][step]:
+            if torch.equal(a["masters"][step][name], b["masters"][step][name]):
+                assert torch.equal(_bits(a["served"][step][name]), _bits(b["served"][step][name])), (step, name)
+
+
+@pytest.mark.parametrize("key", [(2, "on"), (2, "off")])
+def test_trainer_forward_runs_on_the_served_copy(runs, key):
+    """The trainer's forward (old log-probs, loss) runs on exactly the weights the rollout engine receives.
+
+    ZeRO-2 runs the plain module, so its logits equal the served model's bit for bit. ZeRO-3 swaps in its
+    own linear autograd function (a different matmul, last-bit differences on identical weights), so for
+    ZeRO-3 the check is on the weights themselves (test_broadcast_weights_are_the_fair_cast_copy).
+    """
+    rec = runs[key]
+    for trainer, served in zip(rec["trainer_logits"], rec["served_logits"]):
+        assert torch.equal(_bits(trainer), _bits(served))
+
+
+def test_negative_control_without_faircast_is_round_to_nearest(runs):
+    rec = runs[(2, "off")]
+    assert rec["versions"] == [None] * worker.STEPS and rec["metrics"] == [{}] * worker.STEPS
+    served, masters = rec["served"][-1], rec["masters"][-1]
+    differs = 0
+    for name, w in served.items():
+        assert torch.equal(_bits(w), _bits(masters[name].to(torch.bfloat16))), name
+        sr = fair_cast(masters[name].contiguous(), key=derive_key(worker.SEED, worker.STEPS, name))
+        differs += int((_bits(sr) != _bits(w)).sum())
+    assert differs > 0
+
+
+def test_policy_metrics(runs):
+    metrics = runs[(2, "on")]["metrics"]
+    assert [m["faircast/version"] for m in metrics] == [1.0, 2.0, 3.0]
+    assert "faircast/lag_steps" in metrics[-1] and "faircast/served_changed_frac" in metrics[-1]
+
+
+@pytest.mark.parametrize("key", [(2, "on"), (3, "on"), (2, "off")])
+def test_openrlhf_checkpoint_round_trip(runs, key):
+    """strategy.save_ckpt, then a fresh policy that loads it before Fair Cast is attached (as OpenRLHF's
+    init does): same weight version, and the weights a resume broadcast sends are the saved served copy."""
+    rec = runs[key]
+    assert rec["resumed_version"] == (worker.STEPS if key[1] == "on" else None)
+    for name, w in rec["served"][-1].items():
+        assert torch.equal(_bits(rec["resumed_served"][name]), _bits(w)), name

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from faircast_plugins import torch_ref  # noqa: E402
+from faircast_plugins import golden, torch_ref  # noqa: E402
 from faircast_plugins.cast import CastItem, fair_cast, fair_cast_many  # noqa: E402
 from faircast_plugins.kernels import triton_cast as tc  # noqa: E402
 from faircast_plugins.key import derive_key  # noqa: E402
@@ -152,18 +152,8 @@ def section(name: str, fn) -> None:
 # 1. bits
 # ----------------------------------------------------------------------------------------------------------------
 
-SPECIALS = [
-    0x00000000, 0x80000000, 0x7F800000, 0xFF800000,
-    0x7F800001, 0x7FC00000, 0x7FBFFFFF, 0x7FFFFFFF, 0xFF800001, 0xFFC00000, 0xFFFFFFFF, 0x7F810000, 0x7F80FFFF,
-    0x00000001, 0x00007FFF, 0x00008000, 0x00008001, 0x0000FFFF, 0x007FFFFF, 0x80000001, 0x807FFFFF, 0x8000FFFF,
-    0x00800000, 0x80800000, 0x3F800000, 0xBF800000, 0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x3F807FFF,
-    0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F0000, 0x7F7F0001, 0x7F7F7FFF, 0x7F7F8000, 0x7F7F8001, 0x7F7EFFFF, 0xFF7F8000,
-    0x7F000000, 0x40490FDB, 0xC0490FDB,
-]
-GOLDEN_IN = [0x3F800000, 0x3F808000, 0x3F80FFFF, 0xBF80C000, 0x00000001, 0x80000000, 0x7F7FFFFF, 0x7F800000,
-             0xFF800000, 0x7F800001, 0xFFFFFFFF, 0x3F812345, 0x40490FDB, 0xC0490FDB, 0x3F7FFFFF, 0x00800000]
-GOLDEN_OUT = [0x3F80, 0x3F81, 0x3F81, 0xBF81, 0x0000, 0x8000, 0x7F7F, 0x7F80,
-              0xFF80, 0x7FC0, 0xFFFF, 0x3F82, 0x4049, 0xC049, 0x3F80, 0x0080]
+SPECIALS = golden.SPECIALS
+GOLDEN_IN, GOLDEN_OUT = golden.STOCHASTIC_K_IN, golden.STOCHASTIC_K_OUT
 OFFSETS = (0, 3, 5, 13, 2**32 - 5, 2**33, 2**40 + 1)
 
 

@@ -48,10 +48,7 @@ def assert_same(a, b):
     assert diff.numel() == 0, f"{diff.numel()} of {a.numel()} differ, first at {diff[:5].tolist()}"
 
 
-SPECIALS = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFF800001, 0x7FC00000, 0xFFFFFFFF,
-            0x7FFFFFFF, 0x7FBFFFFF, 0x7F80FFFF, 0x7F810000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F0001, 0x7F7F0000,
-            0x7F7F8000, 0x7F7EFFFF, 0x00000001, 0x80000001, 0x007FFFFF, 0x00800000, 0x0000FFFF, 0x00010000,
-            0x3F800000, 0x3F808000, 0x3F818000, 0xBF808000, 0x3F7FFFFF, 0x4049FFFF]
+SPECIALS = golden.SPECIALS
 
 
 def mixed(n, seed=0):

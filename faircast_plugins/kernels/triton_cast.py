@@ -1,4 +1,4 @@
-"""Triton kernel for the Fair Cast rounding contract (``/work/shared/ROUNDING.md``), many tensors per launch.
+"""Triton kernel for the Fair Cast rounding contract (``docs/ROUNDING.md``), many tensors per launch.
 
 Design:
 

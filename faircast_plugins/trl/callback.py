@@ -77,8 +77,12 @@ class FairCastCallback(TrainerCallback):
         return params
 
     def check_model(self) -> None:
-        """Raise a clear ``TypeError`` unless every floating-point parameter of the policy is fp32."""
-        self._collect()
+        """Raise a clear ``TypeError`` unless every floating-point parameter of the policy is fp32.
+
+        Not under DeepSpeed: its optimizer keeps the fp32 masters (ZeRO-3 builds the module in bf16 already), and
+        the DeepSpeed patch checks the engine when it is attached."""
+        if not self.on_deepspeed:
+            self._collect()
 
     def _attach_deepspeed(self, state) -> None:
         """Attach the DeepSpeed copy-back patch to the trainer's engine (prepared by now), sharing this caster."""

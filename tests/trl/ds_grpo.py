@@ -1,6 +1,6 @@
-"""Run by test_deepspeed.py: GRPO through TRL/accelerate on a real DeepSpeed ZeRO-2 bf16 engine, on CPU (gloo).
+"""Run by test_deepspeed.py: GRPO through TRL/accelerate on a real DeepSpeed ZeRO-2/3 bf16 engine, on CPU (gloo).
 
-    python ds_grpo.py MODEL_DIR OUT_DIR MODE      (MODE: stochastic | off)
+    python ds_grpo.py MODEL_DIR OUT_DIR MODE [STAGE]     (MODE: stochastic | off; ZeRO STAGE, default 2)
 
 After every optimizer step a callback records, per canonical parameter name, the fp32 master held by DeepSpeed's
 optimizer (``safe_get_full_fp32_param``) and the module's bf16 weight (the served copy), and writes them to
@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "trl"))
 
 model_dir, out_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+stage = int(sys.argv[4]) if len(sys.argv) > 4 else 2
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -55,11 +56,16 @@ DS_CONFIG = {
     "train_batch_size": "auto",
     "gradient_clipping": "auto",
     "bf16": {"enabled": True},
-    "zero_optimization": {"stage": 2},
+    "zero_optimization": {"stage": stage},
     # DeepSpeed builds torch.optim.AdamW (no C++ op build): "torch_adam".
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
     "steps_per_print": 10**9,
 }
+
+
+def _full(p, engine):
+    with deepspeed.zero.GatheredParameters([p], enabled=engine.zero_optimization_stage() == 3):
+        return p.detach().clone()
 
 
 class Recorder(TrainerCallback):
@@ -78,7 +84,7 @@ class Recorder(TrainerCallback):
             "optimizer": type(engine.optimizer).__name__,
             "masters": {canonical_name(n): safe_get_full_fp32_param(p).detach().clone().float()
                         for n, p in module.named_parameters()},
-            "served": {canonical_name(n): p.detach().clone() for n, p in module.named_parameters()},
+            "served": {canonical_name(n): _full(p, engine) for n, p in module.named_parameters()},
             "metrics": fc.metrics() if fc is not None else {},
         })
 

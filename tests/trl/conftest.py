@@ -34,3 +34,14 @@ def prompts_dataset():
     prompts = PROMPTS
     return Dataset.from_dict({"prompt": prompts})
 
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment():
+    """Undo environment changes after each test: TRL's colocated vLLM sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_PORT
+    in this process (vllm_generation.py), and a later test's subprocess would otherwise start a process group on a
+    port this process still holds (EADDRINUSE)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

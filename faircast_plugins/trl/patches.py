@@ -9,13 +9,13 @@ refuses any TRL outside :data:`SUPPORTED`.
 * ``VLLMGeneration._iter_named_params`` (GRPO, RLOO; colocate and server): yield the served copy as bf16, so
   vLLM's ``load_weights`` copies it bit for bit and server mode streams half the bytes. Under DeepSpeed the bf16
   parameters already are the served copy and pass through untouched.
-
-DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
-``trainer.deepspeed`` at the start of training instead of keeping shadow masters.
-* ``Trainer.save_model``: write the fp32 masters (not the served copy) and ``faircast_state.pt`` +
+* ``Trainer.save_model``: write the fp32 masters (not the served copy; under DeepSpeed, DeepSpeed's own weights) and ``faircast_state.pt`` +
   ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
+
+DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
+``trainer.deepspeed`` at the start of training instead of keeping shadow masters.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..patching import FairCastPatchError, PatchSet
 from ..deepspeed import install_deepspeed_patch
+from ..patching import FairCastPatchError, PatchSet
 from .callback import FairCastCallback, find_callback
 from .config import faircast_config
 

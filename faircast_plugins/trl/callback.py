@@ -11,6 +11,12 @@ So generation (with or without vLLM), old log-probs and the loss all see ``q``; 
 exact, and so is vLLM's ``copy_`` into its bf16 weights. Cost: +4 B/param for the masters (+4 more for an
 error-feedback residual or an EMA), two copies per optimizer step.
 
+Under DeepSpeed (bf16) nothing is swapped either: the module's bf16 parameters are the served copy and the fp32
+masters live in DeepSpeed's optimizer, so ``on_train_begin`` attaches the shared DeepSpeed copy-back patch
+(:func:`faircast_plugins.deepspeed.apply_deepspeed_patch`) to the trainer's engine with this callback's caster; it
+advances the weight version at each optimizer step and writes ``fair_cast(master)`` into the bf16 weights, and it
+saves/restores per-rank Fair Cast state in DeepSpeed's checkpoint folder.
+
 With only ``faircast_audit`` on, nothing is swapped: the callback measures how far the round-to-nearest copy that
 vLLM serves trails the master, and TRL's logs get the same ``faircast/*`` metrics.
 """
@@ -45,11 +51,17 @@ class FairCastCallback(TrainerCallback):
         self.params: Dict[str, torch.nn.Parameter] = {}
         self.masters: Dict[str, torch.Tensor] = {}
         self.resume_dir: Optional[str] = None
+        self.deepspeed = None  # the attached DeepSpeedFairCast under DeepSpeed
+
+    @property
+    def on_deepspeed(self) -> bool:
+        return bool(getattr(self.trainer, "is_deepspeed_enabled", False))
 
     @property
     def shadow(self) -> bool:
-        """True when parameters hold the served copy (Fair Cast on); False for an audit-only run."""
-        return self.config.enabled
+        """True when fp32 parameters hold the served copy (Fair Cast on, no DeepSpeed); False for an audit-only run
+        and under DeepSpeed (where the bf16 parameters are the served copy)."""
+        return self.config.enabled and not self.on_deepspeed
 
     # -- setup ----------------------------------------------------------------------------------------------
     def _collect(self) -> Dict[str, torch.nn.Parameter]:
@@ -65,10 +77,34 @@ class FairCastCallback(TrainerCallback):
         return params
 
     def check_model(self) -> None:
-        """Raise a clear ``TypeError`` unless every floating-point parameter of the policy is fp32."""
-        self._collect()
+        """Raise a clear ``TypeError`` unless every floating-point parameter of the policy is fp32.
+
+        Not under DeepSpeed: its optimizer keeps the fp32 masters (ZeRO-3 builds the module in bf16 already), and
+        the DeepSpeed patch checks the engine when it is attached."""
+        if not self.on_deepspeed:
+            self._collect()
+
+    def _attach_deepspeed(self, state) -> None:
+        """Attach the DeepSpeed copy-back patch to the trainer's engine (prepared by now), sharing this caster."""
+        from ..deepspeed import apply_deepspeed_patch
+
+        engine = self.trainer.deepspeed
+        if self.deepspeed is not None and self.deepspeed.engine is engine:
+            return  # a second train() on the same engine
+        self.caster.version = state.global_step  # a DeepSpeed resume then restores the saved state
+        module = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        self.deepspeed = apply_deepspeed_patch(engine, self.caster, module=module)
+        if self.caster.version != state.global_step:
+            raise RuntimeError(
+                f"Fair Cast state restored from the DeepSpeed checkpoint is at weight version {self.caster.version} "
+                f"but the trainer resumes at step {state.global_step}"
+            )
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.on_deepspeed:
+            self._attach_deepspeed(state)
+            self.resume_dir = None
+            return
         self.params = self._collect()
         restored = self._load_state(self.resume_dir) if self.resume_dir else False
         if not restored:
@@ -107,6 +143,8 @@ class FairCastCallback(TrainerCallback):
                     p.data.copy_(self.masters[n])
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.on_deepspeed:
+            return  # the DeepSpeed patch advanced the version and cast inside the engine's step
         with torch.no_grad():
             if self.shadow:
                 for n, p in self.params.items():
@@ -151,10 +189,15 @@ class FairCastCallback(TrainerCallback):
             "seed": self.config.seed,
             "version": self.caster.version,
             "ema_decay": self.config.ema_decay,
-            "model_weights": "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)",
+            "model_weights": self._saved_weights(),
         }
         with open(os.path.join(output_dir, INFO_FILE), "w") as f:
             json.dump(info, f, indent=2)
+
+    def _saved_weights(self) -> str:
+        if self.on_deepspeed:
+            return "bf16 served copy (DeepSpeed; fp32 masters and per-rank Fair Cast state in the DeepSpeed checkpoint)"
+        return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"
 
     def _load_state(self, directory: str) -> bool:
         path = os.path.join(directory, STATE_FILE)

@@ -7,11 +7,15 @@ refuses any TRL outside :data:`SUPPORTED`.
   the :class:`FairCastCallback` when ``faircast`` or ``faircast_audit`` is set.
 * ``AsyncGRPOTrainer.__init__``: refuses ``faircast``/``faircast_audit`` (FSDP2 + vLLM server only: not wired yet).
 * ``VLLMGeneration._iter_named_params`` (GRPO, RLOO; colocate and server): yield the served copy as bf16, so
-  vLLM's ``load_weights`` copies it bit for bit and server mode streams half the bytes.
-* ``Trainer.save_model``: write the fp32 masters (not the served copy) and ``faircast_state.pt`` +
+  vLLM's ``load_weights`` copies it bit for bit and server mode streams half the bytes. Under DeepSpeed the bf16
+  parameters already are the served copy and pass through untouched.
+* ``Trainer.save_model``: write the fp32 masters (not the served copy; under DeepSpeed, DeepSpeed's own weights) and ``faircast_state.pt`` +
   ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
+
+DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
+``trainer.deepspeed`` at the start of training instead of keeping shadow masters.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..deepspeed import install_deepspeed_patch
 from ..patching import FairCastPatchError, PatchSet
 from .callback import FairCastCallback, find_callback
 from .config import faircast_config
@@ -69,10 +74,7 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
             f"the training model to bf16 in place, which destroys the fp32 master. Turn it off or use vLLM."
         )
     if getattr(args, "deepspeed", None):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with DeepSpeed in TRL is not supported yet: DeepSpeed keeps the fp32 master inside its "
-            f"optimizer and copies it back with round-to-nearest. Run without DeepSpeed, or without faircast."
-        )
+        _check_deepspeed_args(trainer_name, args)
     if getattr(args, "fsdp", None):
         raise FairCastUnsupportedError(
             "Fair Cast with FSDP in TRL is not supported yet (the FSDP cast-site patches have not been wired and "
@@ -80,10 +82,28 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
         )
 
 
+def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
+    """DeepSpeed runs go through the shared copy-back patch, which needs bf16 and has no EMA; refuse the rest now
+    (the patch re-checks the built engine when it is attached at the start of training)."""
+    if not getattr(args, "bf16", False):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with DeepSpeed in {trainer_name} needs bf16=True (DeepSpeed bf16: fp32 masters in the optimizer, "
+            f"bf16 weights in the module); fp16 and fp32 DeepSpeed runs are refused."
+        )
+    cfg = faircast_config(args)
+    if cfg is not None and cfg.enabled and cfg.ema_decay:
+        raise FairCastUnsupportedError(
+            f"faircast_ema_decay is not supported with DeepSpeed in {trainer_name} (the EMA would be sharded per ZeRO "
+            f"partition); use faircast_ema_decay=0."
+        )
+
+
 def _check_trainer(trainer_name: str, trainer: Any) -> None:
     """Refusals that need the built trainer (accelerate plugins from the environment, PEFT, dtypes)."""
     if getattr(trainer, "is_deepspeed_enabled", False):
-        raise FairCastUnsupportedError(f"Fair Cast with DeepSpeed in {trainer_name} is not supported yet.")
+        _check_deepspeed_args(trainer_name, trainer.args)
+        # Installed now so that a DeepSpeed resume (before on_train_begin) is remembered for the callback.
+        install_deepspeed_patch()
     if getattr(trainer, "is_fsdp_enabled", False):
         raise FairCastUnsupportedError(f"Fair Cast with FSDP in {trainer_name} is not supported yet.")
     model = trainer.accelerator.unwrap_model(trainer.model)

@@ -75,10 +75,17 @@ def test_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 
-def test_deepspeed_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    args = grpo_args(tmp_path, faircast=True)
-    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: DeepSpeed itself is not installed here
-    with pytest.raises(FairCastUnsupportedError, match="DeepSpeed"):
+def test_deepspeed_without_bf16_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path, faircast=True, bf16=False)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: no DeepSpeed engine is built here
+    with pytest.raises(FairCastUnsupportedError, match="DeepSpeed.*bf16=True"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+def test_deepspeed_with_ema_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path, faircast=True, faircast_ema_decay=0.9, bf16=True)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(FairCastUnsupportedError, match="faircast_ema_decay.*DeepSpeed"):
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 

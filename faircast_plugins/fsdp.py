@@ -131,27 +131,22 @@ def _wrap_use_low_precision_shard(original):
     return _use_low_precision_shard
 
 
-_PATCHES: Optional[PatchSet] = None
+#: The three FSDP cast wrappers; nothing is touched until :func:`apply_fsdp_cast_patches`.
+PATCHES = (
+    PatchSet("torch FSDP", "torch", TORCH_SPECIFIER)
+    .wrap(_FSDP2_PARAM, _wrap_all_gather_inputs)
+    .wrap(_FSDP2_FAST_PATH, _wrap_get_param_all_gather_inputs)
+    .wrap(_FSDP1_SHARD, _wrap_use_low_precision_shard)
+)
 
 
 def apply_fsdp_cast_patches() -> PatchSet:
     """Install the three FSDP cast wrappers (idempotent). Checks the torch version and every symbol first."""
-    global _PATCHES
-    if _PATCHES is None or not _PATCHES.active:
-        patches = PatchSet("torch FSDP", "torch", TORCH_SPECIFIER)
-        patches.wrap(_FSDP2_PARAM, _wrap_all_gather_inputs)
-        patches.wrap(_FSDP2_FAST_PATH, _wrap_get_param_all_gather_inputs)
-        patches.wrap(_FSDP1_SHARD, _wrap_use_low_precision_shard)
-        patches.apply(details="registered FSDP modules cast their bf16 compute copy with Fair Cast")
-        _PATCHES = patches
-    return _PATCHES
+    return PATCHES.apply(details="registered FSDP modules cast their bf16 compute copy with Fair Cast")
 
 
 def remove_fsdp_cast_patches() -> None:
-    global _PATCHES
-    if _PATCHES is not None:
-        _PATCHES.remove()
-        _PATCHES = None
+    PATCHES.remove()
 
 
 # -- registration ----------------------------------------------------------------------------------------------

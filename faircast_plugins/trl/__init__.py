@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from .callback import FairCastCallback
 from .config import FairCastArguments, faircast_config, patch_configs, unpatch_configs
-from .patches import SUPPORTED, FairCastUnsupportedError, build_patch_set
-
-_PATCHES = None
+from .patches import PATCHES, SUPPORTED, FairCastUnsupportedError
 
 
 def patch() -> None:
@@ -26,21 +24,16 @@ def patch() -> None:
     Refuses (``FairCastPatchError``) a TRL outside ``SUPPORTED`` or one whose patch points are missing, before
     changing anything.
     """
-    global _PATCHES
-    if _PATCHES is not None and _PATCHES.active:
+    if PATCHES.active:
         return
-    patches = build_patch_set()
-    patches.check()
+    PATCHES.check()
     patch_configs()
-    _PATCHES = patches.apply(details="faircast fields on GRPOConfig, RLOOConfig, OnlineDPOConfig, AsyncGRPOConfig")
+    PATCHES.apply(details="faircast fields on GRPOConfig, RLOOConfig, OnlineDPOConfig, AsyncGRPOConfig")
 
 
 def unpatch() -> None:
     """Undo :func:`patch` (mainly for tests)."""
-    global _PATCHES
-    if _PATCHES is not None:
-        _PATCHES.remove()
-        _PATCHES = None
+    PATCHES.remove()
     unpatch_configs()
 
 

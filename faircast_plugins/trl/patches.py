@@ -214,3 +214,7 @@ def build_patch_set() -> PatchSet:
     patches.wrap(LOAD_CHECKPOINT, _load_from_checkpoint)
     patches.wrap(LOG, _log)
     return patches
+
+
+#: Every TRL symbol Fair Cast wraps; nothing is touched until ``faircast_plugins.trl.patch()`` applies it.
+PATCHES = build_patch_set()

@@ -176,24 +176,17 @@ def build_patch_set() -> PatchSet:
     return patches
 
 
-_PATCHES: Optional[PatchSet] = None
+#: Every verl symbol Fair Cast wraps; nothing is touched until :func:`patch` applies it.
+PATCHES = build_patch_set()
 
 
 def patch() -> PatchSet:
     """Install the verl patches (idempotent). Raises FairCastPatchError naming the installed verl if it cannot."""
-    global _PATCHES
-    if _PATCHES is None or not _PATCHES.active:
-        _PATCHES = build_patch_set().apply(
-            details="inert until a worker's config sets actor_rollout_ref.faircast (enable per run)"
-        )
-    return _PATCHES
+    return PATCHES.apply(details="inert until a worker's config sets actor_rollout_ref.faircast (enable per run)")
 
 
 def unpatch() -> None:
-    global _PATCHES
-    if _PATCHES is not None:
-        _PATCHES.remove()
-        _PATCHES = None
+    PATCHES.remove()
 
 
 def guard_unsupported(reason: str) -> None:

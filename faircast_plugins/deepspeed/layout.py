@@ -117,7 +117,6 @@ class WeightLayout:
             i += 1
         return out
 
-
     def weights(self, seg: Segment) -> torch.Tensor:
         """The bf16 weight elements a segment covers, as they are now (a view of the weight memory)."""
         span = self._by_name.get(seg.name)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -253,6 +253,35 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     return registered
 
 
+def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
+    """This rank's fp32 master shard of every registered parameter of ``root``, as FSDP's cast reads it.
+
+    Returns ``{canonical name: (global flat index of the shard's first element, flat fp32 view)}``; parameters
+    with no elements on this rank are left out. Stateful modes (error feedback, EMA) keep their per-element
+    state for exactly these shards, so an export assembles the served copy from them (see ``caster.cast``).
+    """
+    shards: Dict[str, Tuple[int, torch.Tensor]] = {}
+    for module in root.modules():
+        handle = getattr(module, "_handle", None)
+        spec = getattr(handle, _ATTR, None) if handle is not None else None
+        if spec is not None:
+            flat = handle.flat_param
+            local = flat._local_shard
+            for name, info in zip(spec.names, flat._shard_param_infos):
+                if name is not None and info.in_shard and info.numel_in_shard:
+                    start = info.offset_in_shard
+                    shards[name] = (info.intra_param_start_idx, local[start: start + info.numel_in_shard])
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in get_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
+                if pspec is not None and pspec.numel:
+                    shards[pspec.name] = (pspec.offset, fsdp_param._sharded_param_data[: pspec.numel])
+    return shards
+
+
 def unregister_fsdp_module(root: nn.Module) -> None:
     """Give ``root`` back FSDP's stock cast."""
     for module in root.modules():
@@ -271,6 +300,7 @@ __all__ = [
     "TORCH_SPECIFIER",
     "apply_fsdp_cast_patches",
     "register_fsdp_module",
+    "registered_shards",
     "remove_fsdp_cast_patches",
     "unregister_fsdp_module",
 ]

@@ -282,6 +282,30 @@ def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
     return shards
 
 
+@torch.no_grad()
+def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, torch.Tensor]], shape,
+                    device) -> torch.Tensor:
+    """The full served bf16 copy of ``name``, put together from every rank's ``caster.cast`` of its own ``shard``
+    (``(global offset, flat fp32 shard)`` from :func:`registered_shards`, or None when this rank holds none).
+
+    Collective over the default process group: every rank calls it for the same names in the same order. Each rank
+    writes ``bits + 1`` (1..65536, as int32) at its shard's global indices and zeros elsewhere; a MAX all-reduce
+    then gives each element's bits exactly, whatever the layout (replicated shards carry equal bits).
+    """
+    numel = math.prod(shape)
+    buf = torch.zeros(numel, dtype=torch.int32, device=device)
+    if shard is not None:
+        offset, master = shard
+        q = caster.cast(name, master, offset=offset)
+        buf[offset: offset + q.numel()] = q.view(torch.int16).to(device=device, dtype=torch.int32).bitwise_and(0xFFFF) + 1
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
+    if numel and not bool(buf.min() > 0):
+        raise RuntimeError(f"Fair Cast: no rank holds some elements of {name}; cannot assemble its served copy")
+    bits = buf - 1
+    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16).view(shape)
+
+
 def unregister_fsdp_module(root: nn.Module) -> None:
     """Give ``root`` back FSDP's stock cast."""
     for module in root.modules():
@@ -299,6 +323,7 @@ def unregister_fsdp_module(root: nn.Module) -> None:
 __all__ = [
     "TORCH_SPECIFIER",
     "apply_fsdp_cast_patches",
+    "assemble_served",
     "register_fsdp_module",
     "registered_shards",
     "remove_fsdp_cast_patches",

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
@@ -13,7 +12,7 @@ from ..audit import finalize
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
-from ..fsdp import apply_fsdp_cast_patches, register_fsdp_module, registered_shards
+from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards
 from ..key import canonical_name
 
 logger = logging.getLogger("faircast_plugins")
@@ -129,27 +128,9 @@ def _cast_unaudited(caster: FairCaster, name: str, master: torch.Tensor) -> torc
 
 
 def served_full(state: EngineFairCast, name: str, shape, device, shards=None) -> torch.Tensor:
-    """The full served bf16 copy of registered parameter ``name``, assembled from every rank's cast of its own
-    shard (``caster.cast``: the bits FSDP computes with at this version; error feedback advances at most once).
-
-    Collective over the default process group: every rank must call it for the same names in the same order.
-    Each rank writes ``bits + 1`` (1..65536, as int32) at its shard's global indices and zeros elsewhere; a MAX
-    all-reduce then yields each element's bits exactly, whatever the layout, and replicas (equal bits) are harmless.
-    """
-    numel = math.prod(shape)
+    """The full served bf16 copy of registered parameter ``name`` (collective; see :func:`fsdp.assemble_served`)."""
     shards = registered_shards(state.module) if shards is None else shards
-    buf = torch.zeros(numel, dtype=torch.int32, device=device)
-    if name in shards:
-        offset, master = shards[name]
-        q = state.caster.cast(name, master, offset=offset)
-        buf[offset: offset + q.numel()] = q.view(torch.int16).to(device=device, dtype=torch.int32).bitwise_and(0xFFFF) + 1
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
-    if numel and not bool(buf.min() > 0):
-        raise RuntimeError(f"Fair Cast export: no rank holds some elements of {name}; cannot assemble its served copy")
-    bits = buf - 1
-    bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
-    return bits.view(torch.bfloat16).view(shape)
+    return assemble_served(state.caster, name, shards.get(name), shape, device)
 
 
 def advance(state: EngineFairCast) -> None:

@@ -104,7 +104,8 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                 cases.append(dict(name="fsdp2_lora", strategy="fsdp2", overrides=[ON, *LORA]))
                 cases += [dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON, *MERGE], merged_reference=True),
                           dict(name="fsdp2_lora_merge_off", strategy="fsdp2", overrides=MERGE, merged_reference=True),
-                          dict(name="fsdp2_ef", strategy="fsdp2", overrides=[EF], delta=True)]
+                          dict(name="fsdp2_ef", strategy="fsdp2", overrides=[EF], delta=True),
+                          dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], delta=True)]
             if world == 3:  # packed MoE experts (4 over 3 ranks: uneven shards of a 3-D parameter), unfused on export
                 cases.append(dict(name="fsdp2_moe", strategy="fsdp2", overrides=[ON], model_dir=moe_model_dir))
                 cases += [dict(name="fsdp2_ema", strategy="fsdp2", overrides=[EMA], delta=True),
@@ -120,6 +121,7 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                           dict(name="fsdp2_ef_resume", strategy="fsdp2", overrides=[EF_AUDIT], load_checkpoint=ckpt + "_ef"),
                           dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], save_checkpoint=ckpt + "_ema"),
                           dict(name="fsdp_ema_resume", strategy="fsdp", overrides=[EMA], load_checkpoint=ckpt + "_ema"),
+                          dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON, *MERGE], merged_reference=True),
                           dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
                           dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True),
                           dict(name="fsdp2_tied", strategy="fsdp2", overrides=[ON], model_dir=tied_model_dir),

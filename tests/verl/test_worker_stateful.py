@@ -16,7 +16,8 @@ from .conftest import SEED
 
 EF = FairCastConfig(enabled=True, seed=SEED, mode="error_feedback")
 EMA = FairCastConfig(enabled=True, seed=SEED, ema_decay=0.5)
-CASES = [(1, "fsdp2_ef", EF), (2, "fsdp2_ef", EF), (2, "fsdp_ema", EMA), (3, "fsdp2_ema", EMA), (3, "fsdp_ef", EF)]
+CASES = [(1, "fsdp2_ef", EF), (1, "fsdp_ema", EMA), (2, "fsdp2_ef", EF), (2, "fsdp_ema", EMA), (3, "fsdp2_ema", EMA),
+         (3, "fsdp_ef", EF)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,9 @@ def tests_verl_torch(session: nox.Session, torch: str) -> None:
     session.install("--no-deps", "verl==0.9.1")
     session.install("--no-deps", "-e", ".")
     config = "tests/verl/test_config.py::"  # the other config tests do not depend on torch
-    _pytest(session, "tests/verl/test_worker_fsdp.py", config + "test_unverified_torch_is_refused_with_its_version",
+    workers = [f"tests/verl/{t}.py" for t in ("test_worker_fsdp", "test_worker_stateful", "test_worker_exports",
+                                              "test_fsdp_helpers")]  # one set of worker runs serves all of them
+    _pytest(session, *workers, config + "test_unverified_torch_is_refused_with_its_version",
             config + "test_torch_under_test_is_the_one_intended_and_supported",
             env={"FAIRCAST_EXPECT_TORCH": torch, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 

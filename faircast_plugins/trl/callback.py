@@ -184,7 +184,8 @@ class FairCastCallback(TrainerCallback):
 
         Under DeepSpeed only the JSON record is written here: the Fair Cast state belongs to the DeepSpeed checkpoint
         (``global_stepN/faircast_state_rankNNNNN.pt``, one per rank, written and restored by the DeepSpeed patch with
-        the masters and residuals of that rank's partition), so there is one state and one restore path."""
+        the residuals of that rank's partition), so there is one state and one restore path; :meth:`on_save` points
+        the record at those files once the Trainer has written them."""
         os.makedirs(output_dir, exist_ok=True)
         info = {
             "enabled": self.config.enabled,
@@ -194,15 +195,29 @@ class FairCastCallback(TrainerCallback):
             "ema_decay": self.config.ema_decay,
             "model_weights": self._saved_weights(),
         }
-        if self.on_deepspeed:
-            from ..deepspeed.patch import STATE_FILE as DEEPSPEED_STATE_FILE
-
-            tag = f"global_step{self.trainer.deepspeed.global_steps}"  # DeepSpeed's default tag, as the Trainer saves
-            info["state"] = os.path.join(tag, DEEPSPEED_STATE_FILE.replace("{rank:05d}", "*"))
-        else:
+        if not self.on_deepspeed:
             save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
-            info["state"] = STATE_FILE
         with open(os.path.join(output_dir, INFO_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+
+    def on_save(self, args, state, control, **kwargs):
+        """Under DeepSpeed: point the checkpoint's ``faircast.json`` at the per-rank state files DeepSpeed just wrote."""
+        if not (self.on_deepspeed and args.should_save):
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from ..deepspeed.patch import STATE_FILE as DEEPSPEED_STATE_FILE
+
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        info_path = os.path.join(checkpoint, INFO_FILE)
+        # The Trainer saves with DeepSpeed's default tag.
+        tag = f"global_step{self.trainer.deepspeed.global_steps}"
+        if not (os.path.exists(info_path) and os.path.exists(os.path.join(checkpoint, tag, DEEPSPEED_STATE_FILE.format(rank=0)))):
+            return
+        with open(info_path) as f:
+            info = json.load(f)
+        info["state"] = os.path.join(tag, DEEPSPEED_STATE_FILE.replace("{rank:05d}", "*"))
+        with open(info_path, "w") as f:
             json.dump(info, f, indent=2)
 
     def _saved_weights(self) -> str:

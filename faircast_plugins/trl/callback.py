@@ -212,7 +212,8 @@ class FairCastCallback(TrainerCallback):
         info_path = os.path.join(checkpoint, INFO_FILE)
         # The Trainer saves with DeepSpeed's default tag.
         tag = f"global_step{self.trainer.deepspeed.global_steps}"
-        if not (os.path.exists(info_path) and os.path.exists(os.path.join(checkpoint, tag, DEEPSPEED_STATE_FILE.format(rank=0)))):
+        rank0_state = os.path.join(checkpoint, tag, DEEPSPEED_STATE_FILE.format(rank=0))
+        if not (os.path.exists(info_path) and os.path.exists(rank0_state)):
             return
         with open(info_path) as f:
             info = json.load(f)
@@ -222,7 +223,9 @@ class FairCastCallback(TrainerCallback):
 
     def _saved_weights(self) -> str:
         if self.on_deepspeed:
-            return "bf16 served copy (DeepSpeed; fp32 masters and per-rank Fair Cast state in the DeepSpeed checkpoint)"
+            return ("bf16 served copy (DeepSpeed's module weights; ZeRO-3 writes them only with "
+                    "stage3_gather_16bit_weights_on_model_save; fp32 masters and per-rank Fair Cast state are in the "
+                    "DeepSpeed checkpoint)")
         return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"
 
     def _load_state(self, directory: str) -> bool:

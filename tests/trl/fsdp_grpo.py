@@ -1,12 +1,13 @@
 """Run by test_fsdp.py under torchrun (2 CPU processes, gloo): GRPO through TRL/accelerate on FSDP2, bf16 mixed precision.
 
-    torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm]     (MODE: stochastic | off)
+    torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm|rloo]     (MODE: stochastic | off)
 
 Forward pre-hooks on every leaf module record, at every forward (generation, old log-probs, loss), whether the
 bf16 weights the forward read equal ``fair_cast(full fp32 master)`` at the current weight version (``off``: the
 round-to-nearest copy of the master). The full masters are gathered (``full_tensor()``) at the start of training
 and after every optimizer step. With ``vllm``, GRPO generates with a colocated vLLM engine on every rank, and after
-each sync every vLLM parameter is compared with the same expected copy. Each rank writes ``OUT_DIR/<MODE>-rank<R>.pt``.
+each sync every vLLM parameter is compared with the same expected copy. ``rloo`` runs RLOOTrainer instead of GRPO
+(no vLLM). Each rank writes ``OUT_DIR/<MODE>[-vllm|-rloo]-rank<R>.pt``.
 
 CPU shim (tests only): accelerate only turns a multi-process run into FSDP on accelerator devices
 (``AcceleratorState.__init__`` checks ``MULTI_GPU``/...); on CPU it stays ``MULTI_CPU`` and drops the FSDP plugin.
@@ -20,7 +21,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "trl"))
 sys.path.insert(0, HERE)
 
 model_dir, out_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-use_vllm = len(sys.argv) > 4 and sys.argv[4] == "vllm"
+variant = sys.argv[4] if len(sys.argv) > 4 else ""
+use_vllm, rloo = variant == "vllm", variant == "rloo"
+tag = f"{mode}-{variant}" if variant else mode
 
 import torch  # noqa: E402
 
@@ -48,7 +51,7 @@ import faircast_plugins.trl  # noqa: E402,F401
 from datasets import Dataset  # noqa: E402
 from tiny import PROMPTS, cat_reward  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 from faircast_plugins import derive_key, fair_cast  # noqa: E402
 from faircast_plugins.key import canonical_name  # noqa: E402
@@ -76,6 +79,7 @@ class Recorder(TrainerCallback):
         self.mismatches = []     # (version, name, dtype)
         self.differs_from_nearest = 0
         self.vllm_syncs = []     # (version, compared, mismatches, differs_from_nearest)
+        self.repacked = []       # vLLM parameters repacked on this host (oneDNN/AMX): not comparable bitwise
         self.fsdp_types = set()
 
     def want(self, version, name):
@@ -143,6 +147,9 @@ class Recorder(TrainerCallback):
         """Every vLLM parameter (fused qkv / gate_up split back) against the expected copy of the current version."""
         model = self.trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
         held = dict(model.named_parameters())
+        self.repacked += [n for n, p in held.items() if p.numel() == 0]
+        if self.repacked:
+            return
         cfg = self.trainer.model.config
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
@@ -168,8 +175,9 @@ class Recorder(TrainerCallback):
 
 vllm_args = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
                  vllm_importance_sampling_correction=True) if use_vllm else {}
-args = GRPOConfig(
-    output_dir=os.path.join(out_dir, mode), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+args = config_class(
+    output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
     max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=True, report_to="none", save_strategy="no",
     logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0,
     gradient_accumulation_steps=1, steps_per_generation=2,  # 2 optimizer steps per generation: old log-probs run
@@ -178,10 +186,11 @@ args = GRPOConfig(
     faircast_audit=True, **vllm_args,
 )
 recorder = Recorder()
-trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
+trainer = trainer_class(model=model_dir, reward_funcs=cat_reward, args=args,
                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder])
 recorder.trainer = trainer
 trainer.train()
+export_dtypes = sorted({str(t.dtype) for _, t in trainer.vllm_generation._iter_named_params()}) if use_vllm else []
 fc = getattr(trainer, "_faircast", None)
 rank = trainer.accelerator.process_index
 logs = [{k: v for k, v in h.items() if k.startswith("faircast/")} for h in trainer.state.log_history]
@@ -192,5 +201,6 @@ torch.save({
     "version": fc.caster.version if fc is not None else None, "steps": trainer.state.global_step,
     "forwards": recorder.forwards, "logp_calls": recorder.logp_calls, "checked": recorder.checked, "mismatches": recorder.mismatches[:50],
     "n_mismatches": len(recorder.mismatches), "differs_from_nearest": recorder.differs_from_nearest,
-    "masters": recorder.masters, "vllm_syncs": recorder.vllm_syncs, "logs": logs,
-}, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+    "masters": recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
+    "export_dtypes": export_dtypes, "logs": logs, "trainer": type(trainer).__name__,
+}, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))

@@ -69,12 +69,6 @@ def test_continuous_batching_is_refused(tiny_model_dir, prompts_dataset, tmp_pat
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 
-def test_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    args = grpo_args(tmp_path, faircast=True, fsdp=True)
-    with pytest.raises(FairCastUnsupportedError, match="FSDP"):
-        grpo_trainer(tiny_model_dir, prompts_dataset, args)
-
-
 def test_deepspeed_without_bf16_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
     args = grpo_args(tmp_path, faircast=True, bf16=False)
     args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: no DeepSpeed engine is built here

@@ -98,15 +98,6 @@ def test_peft_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
     assert not hasattr(plain, "_faircast")
 
 
-def test_async_grpo_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", faircast=True)
-    assert args.faircast is True  # the config accepts the flag ...
-    with pytest.raises(FairCastUnsupportedError, match="AsyncGRPOTrainer is not supported yet"):
-        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset)
-
-
 def test_patch_is_idempotent_and_removable():
     import trl
     from trl.trainer import grpo_config

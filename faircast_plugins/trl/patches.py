@@ -107,11 +107,6 @@ def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: An
             "Fair Cast with FSDP in OnlineDPOTrainer is refused: its own FSDP weight push to vLLM is not wired. "
             "Run it without FSDP, or use GRPOTrainer/RLOOTrainer."
         )
-    if trainer_name == "AsyncGRPOTrainer":
-        raise FairCastUnsupportedError(
-            "Fair Cast with FSDP in AsyncGRPOTrainer is refused: that combination has not been run (only a single "
-            "process and DDP were). Run it without FSDP, or without faircast."
-        )
     if fsdp_version != 2:
         raise FairCastUnsupportedError(
             f"Fair Cast with FSDP{fsdp_version} in {trainer_name} is refused: only FSDP2 (fsdp_config version 2, "

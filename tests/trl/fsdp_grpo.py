@@ -1,13 +1,15 @@
 """Run by test_fsdp.py under torchrun (2 CPU processes, gloo): GRPO through TRL/accelerate on FSDP2, bf16 mixed precision.
 
-    torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm|rloo]     (MODE: stochastic | off)
+    torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm|rloo|async]   (MODE: stochastic | off)
 
 Forward pre-hooks on every leaf module record, at every forward (generation, old log-probs, loss), whether the
 bf16 weights the forward read equal ``fair_cast(full fp32 master)`` at the current weight version (``off``: the
 round-to-nearest copy of the master). The full masters are gathered (``full_tensor()``) at the start of training
 and after every optimizer step. With ``vllm``, GRPO generates with a colocated vLLM engine on every rank, and after
 each sync every vLLM parameter is compared with the same expected copy. ``rloo`` runs RLOOTrainer instead of GRPO
-(no vLLM). Each rank writes ``OUT_DIR/<MODE>[-vllm|-rloo]-rank<R>.pt``.
+(no vLLM). ``async`` runs AsyncGRPOTrainer with the test stand-ins of async_stubs.py (rollout worker, recording
+weight transfer, CPU tree attention): rank 0 checks every streamed tensor of every sync. Each rank writes
+``OUT_DIR/<MODE>[-<variant>]-rank<R>.pt``.
 
 CPU shim (tests only): accelerate only turns a multi-process run into FSDP on accelerator devices
 (``AcceleratorState.__init__`` checks ``MULTI_GPU``/...); on CPU it stays ``MULTI_CPU`` and drops the FSDP plugin.
@@ -22,7 +24,7 @@ sys.path.insert(0, HERE)
 
 model_dir, out_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 variant = sys.argv[4] if len(sys.argv) > 4 else ""
-use_vllm, rloo = variant == "vllm", variant == "rloo"
+use_vllm, rloo, is_async = variant == "vllm", variant == "rloo", variant == "async"
 tag = f"{mode}-{variant}" if variant else mode
 
 import torch  # noqa: E402
@@ -52,6 +54,9 @@ from datasets import Dataset  # noqa: E402
 from tiny import PROMPTS, cat_reward  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
+
+from async_stubs import RecordingTransfer, StubRolloutWorker, install_cpu_shims  # noqa: E402
 
 from faircast_plugins import derive_key, fair_cast  # noqa: E402
 from faircast_plugins.key import canonical_name  # noqa: E402
@@ -119,7 +124,9 @@ class Recorder(TrainerCallback):
                 sub.register_forward_pre_hook(self.hook(prefix, names))
         inner = getattr(model, "model", model)
         inner.register_forward_pre_hook(self.count)
-        logps = self.trainer._get_per_token_logps_and_entropies
+        logps = getattr(self.trainer, "_get_per_token_logps_and_entropies", None)
+        if logps is None:  # AsyncGRPO: no old-policy forward (vLLM's sampling log-probs are the old ones)
+            return
 
         def counted(*a, **k):
             self.logp_calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
@@ -175,21 +182,45 @@ class Recorder(TrainerCallback):
 
 vllm_args = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
                  vllm_importance_sampling_correction=True) if use_vllm else {}
-config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+if is_async:
+    trainer_class = install_cpu_shims()
+    config_class = AsyncGRPOConfig
+    extra = dict(token_budget=128, vllm_server_timeout=5)
+    gen_args = {}
+else:
+    config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    extra = {}
+    gen_args = dict(gradient_accumulation_steps=1, steps_per_generation=2, beta=0.0)  # 2 optimizer steps per generation
 args = config_class(
     output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-    max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=True, report_to="none", save_strategy="no",
+    max_steps=STEPS, learning_rate=1e-4, bf16=True, use_cpu=True, report_to="none", save_strategy="no",
     logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0,
-    gradient_accumulation_steps=1, steps_per_generation=2,  # 2 optimizer steps per generation: old log-probs run
+    **gen_args, **extra,
     fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "reshard_after_forward": True},
     faircast=(mode != "off"), faircast_mode=("stochastic" if mode == "off" else mode), faircast_seed=SEED,
     faircast_audit=True, **vllm_args,
 )
 recorder = Recorder()
+injected = {}
+if is_async:
+    from transformers import AutoTokenizer
+
+    injected = dict(processing_class=AutoTokenizer.from_pretrained(model_dir), rollout_worker=StubRolloutWorker(),
+                    weight_transfer=RecordingTransfer())
 trainer = trainer_class(model=model_dir, reward_funcs=cat_reward, args=args,
-                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder])
+                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder], **injected)
 recorder.trainer = trainer
+if is_async:
+    injected["weight_transfer"].trainer = trainer
 trainer.train()
+streamed = []  # AsyncGRPO, rank 0: (version, tensors, mismatches, differs from nearest, dtypes) per sync
+if is_async and trainer.accelerator.is_main_process:
+    for version, sent in injected["weight_transfer"].syncs:
+        bad = sum(int(t.dtype != torch.bfloat16 or not torch.equal(t, recorder.want(version, canonical_name(n))))
+                  for n, t in sent.items())
+        differs = sum(int(not torch.equal(t, recorder.masters[version][canonical_name(n)].to(torch.bfloat16)))
+                      for n, t in sent.items())
+        streamed.append((version, len(sent), bad, differs, sorted({str(t.dtype) for t in sent.values()})))
 export_dtypes = sorted({str(t.dtype) for _, t in trainer.vllm_generation._iter_named_params()}) if use_vllm else []
 fc = getattr(trainer, "_faircast", None)
 rank = trainer.accelerator.process_index
@@ -202,5 +233,5 @@ torch.save({
     "forwards": recorder.forwards, "logp_calls": recorder.logp_calls, "checked": recorder.checked, "mismatches": recorder.mismatches[:50],
     "n_mismatches": len(recorder.mismatches), "differs_from_nearest": recorder.differs_from_nearest,
     "masters": recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
-    "export_dtypes": export_dtypes, "logs": logs, "trainer": type(trainer).__name__,
+    "export_dtypes": export_dtypes, "streamed": streamed, "logs": logs, "trainer": type(trainer).__name__,
 }, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))

@@ -1,11 +1,11 @@
-"""TRL's real AsyncGRPOTrainer on CPU, one process, with its two documented plug points filled by test stand-ins.
+"""TRL's real AsyncGRPOTrainer on CPU, one process (FSDP2 with 2 processes: test_fsdp.py), with its two documented plug points filled by test stand-ins.
 
 What runs on CPU: the trainer, its data path (rollout queue -> packing -> collator), the tree-attention loss forward,
 the optimizer, the weight-sync callbacks and ``_streaming_iter``. What does not, and is replaced here (tests only):
 
 * the vLLM server and its NCCL weight transfer: ``rollout_worker=`` and ``weight_transfer=`` are the trainer's own
   injection points (``RolloutWorkerProtocol``, ``WeightTransferProtocol``). The stand-in worker queues fixed token
-  rollouts; the stand-in transfer records every tensor of every sync;
+  rollouts; the stand-in transfer records every tensor of every sync (async_stubs.py);
 * the FA3 tree-attention kernel, which TRL downloads from the Hub (``kernels-community/flash-attn3``, CUDA only):
   ``packing._flash_attn`` is pointed at a causal varlen attention written with torch SDPA;
 * ``get_peak_flops_per_device``, which calls ``torch.cuda.get_device_name``: returns None (MFU metrics off).
@@ -17,102 +17,19 @@ the manifest stay fp32 and the forwards run on fp32 weights off the bf16 grid.
 """
 from __future__ import annotations
 
-import queue
-import time
-
-import numpy as np
 import pytest
 import torch
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
-from faircast_plugins.trl import FairCastUnsupportedError
+from async_stubs import RecordingTransfer, StubRolloutWorker, install_cpu_shims
 from helpers import expected_served, on_bf16_grid, watch_forwards
 
 SEED = 99
 
 
-class _CpuVarlenAttention:
-    """Stand-in for the FA3 kernel's ``flash_attn_varlen_func`` (causal, bottom-right aligned, GQA), with SDPA."""
-
-    @staticmethod
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True,
-                               window_size=(-1, -1), **_):
-        assert causal and tuple(window_size) == (-1, -1)
-        out = torch.empty_like(q)
-        for i in range(len(cu_q) - 1):
-            qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-            qi, ki, vi = (x.transpose(0, 1) for x in (q[qs:qe], k[ks:ke], v[ks:ke]))
-            groups = qi.shape[0] // ki.shape[0]
-            ki, vi = ki.repeat_interleave(groups, 0), vi.repeat_interleave(groups, 0)
-            mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
-            out[qs:qe] = torch.nn.functional.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=softmax_scale).transpose(0, 1)
-        return out
-
-
-class StubRolloutWorker:
-    """Queues fixed-token rollouts (what the vLLM rollout worker would produce) for every model version."""
-
-    def __init__(self):
-        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
-        self.version, self.group = 0, 0
-
-    def _fill(self, n=48):
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
-        rng = np.random.default_rng(self.group)
-        for _ in range(n):
-            self.rollout_buffer.put_nowait(RolloutSample(
-                prompt=[{"role": "user", "content": "x"}], completion=[{"role": "assistant", "content": "y"}],
-                input_ids=rng.integers(3, 300, size=12), completion_mask=np.array([0] * 4 + [1] * 8),
-                old_log_probs=np.full(12, -5.0, dtype=np.float32), advantage=float(rng.normal()),
-                model_version=self.version, group_id=self.group, metrics={}, enqueued_at=time.time()))
-            self.group += 1
-
-    def start(self):
-        self._fill()
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, version):
-        self.version = version
-        self._fill()
-
-    def check_health(self, stale_after_s):
-        pass
-
-
-class RecordingTransfer:
-    """Receives what the trainer streams to the vLLM server, with the trainer's weight version at each sync."""
-
-    def __init__(self):
-        self.trainer, self.syncs = None, []
-
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, iterator):
-        self.syncs.append((self.trainer.state.global_step, {n: t.detach().clone() for n, t in iterator}))
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
-
-
 @pytest.fixture
 def cpu_async_grpo(monkeypatch):
-    import trl.experimental.async_grpo.async_grpo_trainer as async_trainer
-    import trl.experimental.async_grpo.packing as packing
-
-    monkeypatch.setattr(packing, "_flash_attn", lambda: _CpuVarlenAttention)
-    monkeypatch.setattr(async_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None)
-    return async_trainer.AsyncGRPOTrainer
+    return install_cpu_shims(monkeypatch.setattr)
 
 
 def _args(tmp_path, **flags):
@@ -202,8 +119,3 @@ def test_async_grpo_manifest_announces_the_stream_dtype(cpu_async_grpo, tiny_mod
     assert isinstance(trainer.weight_transfer, WeightTransferClient)
     dtypes = set(trainer.weight_transfer._weight_update_info["dtype_names"])
     assert dtypes == ({"bfloat16"} if faircast else {"float32"})
-
-
-def test_async_grpo_fsdp_is_refused(cpu_async_grpo, tiny_model_dir, prompts_dataset, tmp_path):
-    with pytest.raises(FairCastUnsupportedError, match="FSDP in AsyncGRPOTrainer is refused"):
-        _build(cpu_async_grpo, tiny_model_dir, prompts_dataset, _args(tmp_path, faircast=True, fsdp=True))

@@ -45,14 +45,16 @@ def _run(model_dir: str, out: Path, mode: str, variant: str = "") -> list:
     return [torch.load(out / f"{tag}-rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-def _check_fsdp2_run(ranks, trainer: str, version: int = 3):
+def _check_fsdp2_run(ranks, trainer: str, version: int = 3, old_logps: bool = True):
     for r, res in enumerate(ranks):
         assert res["rank"] == r and res["world"] == 2 and res["trainer"] == trainer
         assert res["is_fsdp"] and res["fsdp_version"] == 2 and res["param_dtype"] == "torch.bfloat16"
         assert "FSDPQwen3DecoderLayer" in res["fsdp_types"]
         assert res["steps"] == 3 and res["version"] == version
         # loss forwards, and old log-probs (2 optimizer steps per generation batch) ran on the checked weights
-        assert res["logp_calls"]["grad"] == 3 and res["logp_calls"]["no_grad"] >= 2
+        if old_logps:
+            assert res["logp_calls"]["grad"] == 3 and res["logp_calls"]["no_grad"] >= 2
+        assert res["forwards"]["grad"] == 3
         assert res["checked"] > 0 and res["n_mismatches"] == 0, res["mismatches"][:5]
     masters = ranks[0]["masters"]
     assert sorted(masters) == [0, 1, 2, 3]
@@ -66,7 +68,7 @@ def _check_fsdp2_run(ranks, trainer: str, version: int = 3):
 def fsdp_runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trl-fsdp")
     return {key: _run(tiny_model_dir, out, *key) for key in
-            [("stochastic", ""), ("stochastic", "rloo"), ("stochastic", "vllm"), ("off", "vllm")]}
+            [("stochastic", ""), ("stochastic", "rloo"), ("stochastic", "vllm"), ("off", "vllm"), ("stochastic", "async")]}
 
 
 def test_grpo_fsdp2_every_forward_runs_on_fair_cast_of_the_master(fsdp_runs):
@@ -104,6 +106,21 @@ def test_grpo_fsdp2_colocated_vllm_serves_fair_cast_of_the_master(fsdp_runs):
         assert [s[0] for s in res["vllm_syncs"]] == [0, 2]
         assert all(compared == 25 and bad == 0 and differs == 0 for _, compared, bad, differs in res["vllm_syncs"])
         assert res["export_dtypes"] == ["torch.float32"]
+
+
+def test_async_grpo_fsdp2_loss_and_stream_are_fair_cast_of_the_master(fsdp_runs):
+    """AsyncGRPOTrainer (its production layout: FSDP2) with the CPU stand-ins of async_stubs.py for the vLLM server,
+    its NCCL transfer and the FA3 tree-attention kernel. Its old log-probs are vLLM's, so the trainer's forwards are
+    the loss forwards."""
+    ranks = fsdp_runs[("stochastic", "async")]
+    _check_fsdp2_run(ranks, "AsyncGRPOTrainer", old_logps=False)
+    assert all(res["differs_from_nearest"] > 0 for res in ranks)
+    streamed = ranks[0]["streamed"]  # rank 0 holds the transfer; rank 1 joined the gathers
+    assert [s[0] for s in streamed] == [0, 1, 2, 3]  # cold sync at train begin, then one per step
+    for version, count, bad, differs, dtypes in streamed:
+        assert count == 25 and bad == 0 and dtypes == ["torch.bfloat16"], (version, bad, dtypes)
+    assert streamed[-1][3] > 0  # not round-to-nearest once the masters left the grid
+    assert ranks[1]["streamed"] == []
 
 
 @pytest.mark.parametrize("flags, match", [

@@ -193,7 +193,9 @@ else:
     gen_args = dict(gradient_accumulation_steps=1, steps_per_generation=2, beta=0.0)  # 2 optimizer steps per generation
 args = config_class(
     output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-    max_steps=STEPS, learning_rate=1e-4, bf16=True, use_cpu=True, report_to="none", save_strategy="no",
+    max_steps=STEPS, learning_rate=1e-4, bf16=True, use_cpu=True, report_to="none",
+    # the plain GRPO run also saves a checkpoint at step 2 (FSDP's full state dict + Fair Cast state)
+    save_strategy="steps" if not variant else "no", save_steps=2, save_only_model=True,
     logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0,
     **gen_args, **extra,
     fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "reshard_after_forward": True},
@@ -233,5 +235,5 @@ torch.save({
     "forwards": recorder.forwards, "logp_calls": recorder.logp_calls, "checked": recorder.checked, "mismatches": recorder.mismatches[:50],
     "n_mismatches": len(recorder.mismatches), "differs_from_nearest": recorder.differs_from_nearest,
     "masters": recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
-    "export_dtypes": export_dtypes, "streamed": streamed, "logs": logs, "trainer": type(trainer).__name__,
+    "export_dtypes": export_dtypes, "streamed": streamed, "output_dir": args.output_dir, "logs": logs, "trainer": type(trainer).__name__,
 }, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))

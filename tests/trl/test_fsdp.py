@@ -81,6 +81,32 @@ def test_grpo_fsdp2_every_forward_runs_on_fair_cast_of_the_master(fsdp_runs):
         assert [h["faircast/version"] for h in logs] == [1.0, 2.0, 3.0]  # audit, all-reduced over the shards
 
 
+def test_grpo_fsdp2_checkpoint_holds_the_masters_and_exports_the_served_copy(fsdp_runs, tmp_path):
+    """The step-2 checkpoint of the plain GRPO run: FSDP's full state dict is the fp32 masters of version 2, the Fair
+    Cast state says version 2, and ``faircast export`` rebuilds the bf16 copy every forward of version 2 ran on."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from faircast_plugins.export import export_served
+    from faircast_plugins.key import canonical_name
+    from helpers import expected_served
+
+    res = fsdp_runs[("stochastic", "")][0]
+    ckpt = Path(res["output_dir"]) / "checkpoint-2"
+    info = json.loads((ckpt / "faircast.json").read_text())
+    assert info["version"] == 2 and info["seed"] == SEED and info["model_weights"] == "fp32 masters (FSDP)"
+    saved = {canonical_name(n): t for n, t in load_file(ckpt / "model.safetensors").items()}
+    masters = res["masters"][2]
+    assert sorted(saved) == sorted(masters)
+    assert all(torch.equal(saved[n], masters[n]) for n in masters)
+    export_served(ckpt, tmp_path / "served", state=ckpt / "faircast_state.pt")
+    served = {canonical_name(n): t for n, t in load_file(tmp_path / "served" / "model.safetensors").items()}
+    for name, master in masters.items():
+        assert torch.equal(served[name], expected_served(master, seed=SEED, version=2, name=name, mode="stochastic"))
+    assert any(not torch.equal(served[n], m.to(torch.bfloat16)) for n, m in masters.items())
+
+
 def test_rloo_fsdp2_every_forward_runs_on_fair_cast_of_the_master(fsdp_runs):
     ranks = fsdp_runs[("stochastic", "rloo")]
     _check_fsdp2_run(ranks, "RLOOTrainer")

@@ -258,6 +258,59 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     return registered
 
 
+def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
+    """This rank's fp32 master shard of every registered parameter of ``root``, as FSDP's cast reads it.
+
+    Returns ``{canonical name: (global flat index of the shard's first element, flat fp32 view)}``; parameters
+    with no elements on this rank are left out. Stateful modes (error feedback, EMA) keep their per-element
+    state for exactly these shards, so an export assembles the served copy from them (see ``caster.cast``).
+    """
+    shards: Dict[str, Tuple[int, torch.Tensor]] = {}
+    for module in root.modules():
+        handle = getattr(module, "_handle", None)
+        spec = getattr(handle, _ATTR, None) if handle is not None else None
+        if spec is not None:
+            flat = handle.flat_param
+            local = flat._local_shard
+            for name, info in zip(spec.names, flat._shard_param_infos):
+                if name is not None and info.in_shard and info.numel_in_shard:
+                    start = info.offset_in_shard
+                    shards[name] = (info.intra_param_start_idx, local[start: start + info.numel_in_shard])
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in get_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
+                if pspec is not None and pspec.numel:
+                    shards[pspec.name] = (pspec.offset, fsdp_param._sharded_param_data[: pspec.numel])
+    return shards
+
+
+@torch.no_grad()
+def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, torch.Tensor]], shape,
+                    device) -> torch.Tensor:
+    """The full served bf16 copy of ``name``, put together from every rank's ``caster.cast`` of its own ``shard``
+    (``(global offset, flat fp32 shard)`` from :func:`registered_shards`, or None when this rank holds none).
+
+    Collective over the default process group: every rank calls it for the same names in the same order. Each rank
+    writes ``bits + 1`` (1..65536, as int32) at its shard's global indices and zeros elsewhere; a MAX all-reduce
+    then gives each element's bits exactly, whatever the layout (replicated shards carry equal bits).
+    """
+    numel = math.prod(shape)
+    buf = torch.zeros(numel, dtype=torch.int32, device=device)
+    if shard is not None:
+        offset, master = shard
+        q = caster.cast(name, master, offset=offset)
+        buf[offset: offset + q.numel()] = q.view(torch.int16).to(device=device, dtype=torch.int32).bitwise_and(0xFFFF) + 1
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
+    if numel and not bool(buf.min() > 0):
+        raise RuntimeError(f"Fair Cast: no rank holds some elements of {name}; cannot assemble its served copy")
+    bits = buf - 1
+    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16).view(shape)
+
+
 def unregister_fsdp_module(root: nn.Module) -> None:
     """Give ``root`` back FSDP's stock cast."""
     for module in root.modules():
@@ -275,7 +328,9 @@ def unregister_fsdp_module(root: nn.Module) -> None:
 __all__ = [
     "TORCH_SPECIFIER",
     "apply_fsdp_cast_patches",
+    "assemble_served",
     "register_fsdp_module",
+    "registered_shards",
     "remove_fsdp_cast_patches",
     "shard_offset",
     "unregister_fsdp_module",

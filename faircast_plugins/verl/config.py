@@ -47,22 +47,13 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"optimizer and the bf16 params are written by its main->model param copy, inside Megatron-core rather "
             f"than verl; that copy is not patched (see docs/verl.md)."
         )
-    if config.enabled and config.mode == "error_feedback":
-        raise ValueError(
-            "actor_rollout_ref.faircast.mode=error_feedback is not supported with verl's FSDP engines: the residual "
-            "would have to live on every FSDP shard and in the export at once. Use mode=stochastic."
-        )
-    if config.enabled and config.ema_decay:
-        raise ValueError(
-            "actor_rollout_ref.faircast.ema_decay is not supported with verl's FSDP engines (the EMA would have to be "
-            "kept per FSDP shard and for the export at once). Remove it or set it to 0."
-        )
     lora = worker_config.model.get("lora_rank", 0) or 0
-    if lora and (worker_config.model.get("lora", {}) or {}).get("merge", False):
+    stateful = config.enabled and (config.mode == "error_feedback" or bool(config.ema_decay))
+    if lora and stateful and (worker_config.model.get("lora", {}) or {}).get("merge", False):
         raise ValueError(
-            "actor_rollout_ref.faircast with model.lora.merge=true is not supported: the rollout would serve "
-            "round(W + BA) while the actor computes W x + B(A x), so the loss can never run on the served copy. "
-            "Use unmerged LoRA (the default)."
+            "actor_rollout_ref.faircast with model.lora.merge=true supports mode=stochastic (or nearest) without "
+            "ema_decay: the merged weight W + s*B@A is not a parameter FSDP holds, so there is no per-shard "
+            "error-feedback residual or EMA for it. Use mode=stochastic, or unmerged LoRA."
         )
     if lora and strategy != "fsdp2":
         raise ValueError(
@@ -75,10 +66,4 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
         raise ValueError(
             f"actor_rollout_ref.faircast needs a bf16 rollout, got rollout.dtype={rollout_dtype!r}: the served copy "
             f"Fair Cast defines is bf16."
-        )
-    backend = worker_config.rollout.get("checkpoint_engine", {}).get("backend", "naive")
-    if backend == "delta_sharded":
-        raise ValueError(
-            "actor_rollout_ref.faircast with rollout.checkpoint_engine.backend=delta_sharded is not supported: that "
-            "engine sends byte diffs of its own round-to-nearest bf16 shards. Use naive, nccl, nixl or hccl."
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import torch
 
@@ -12,7 +12,7 @@ from ..audit import finalize
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
-from ..fsdp import apply_fsdp_cast_patches, register_fsdp_module
+from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards
 from ..key import canonical_name
 
 logger = logging.getLogger("faircast_plugins")
@@ -27,9 +27,16 @@ class EngineFairCast:
 
     caster: FairCaster
     export_names: Dict[str, str]
+    module: Any = None  # the engine's FSDP module (its registered shards hold the per-element state)
     canonical: Set[str] = field(default_factory=set)
     peft: bool = False  # LoRA (unmerged): base weights and adapters are exported separately
     cumulative: Dict[str, float] = field(default_factory=lambda: {"dev_along": 0.0, "abs_update": 0.0})
+
+    @property
+    def stateful(self) -> bool:
+        """Error feedback or EMA: the served copy depends on per-element state kept for this rank's shards only."""
+        config = self.caster.config
+        return config.enabled and (config.mode == "error_feedback" or bool(config.ema_decay))
 
 
 def state_of(engine) -> Optional[EngineFairCast]:
@@ -69,28 +76,42 @@ def activate(engine, config: FairCastConfig) -> EngineFairCast:
     caster = FairCaster(config)
     registered = register_fsdp_module(engine.module, caster)
     peft = hasattr(_hf_model(engine.module), "peft_config")
-    state = EngineFairCast(caster, _export_names(engine.module, registered), set(registered.values()), peft)
+    state = EngineFairCast(caster, _export_names(engine.module, registered), engine.module, set(registered.values()),
+                           peft)
     setattr(engine, ATTR, state)
     return state
+
+
+def canonical_of(state: EngineFairCast, exported_name: str) -> Optional[str]:
+    """The canonical name of a registered parameter from the name verl exports it under (None if not registered)."""
+    return state.export_names.get(exported_name) or state.export_names.get(canonical_name(exported_name))
 
 
 def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
     """The exported ``(name, full fp32 tensor)`` stream, with every registered parameter replaced by its served bf16.
 
-    Unregistered tensors (frozen params, buffers) pass unchanged: the rollout rounds them to nearest, which is
-    what FSDP's stock cast does for them. Raises if a registered parameter is missing from a dense export (with
-    LoRA, the frozen base weights and the adapters travel in separate exports).
+    Stateless modes cast the full tensor (the same bits as FSDP's per-shard casts). Stateful modes (error
+    feedback, EMA) assemble it from every rank's served shard (:func:`served_full`, a collective: verl's export
+    already runs on every rank in the same order, for ``full_tensor()``). Unregistered tensors (frozen params,
+    buffers) pass unchanged: the rollout rounds them to nearest, which is what FSDP's stock cast does for them.
+    Raises if a registered parameter is missing from a dense export (with LoRA, the frozen base weights and the
+    adapters travel in separate exports).
     """
     seen = set()
+    shards = None
     for name, tensor in weights:
-        canonical = state.export_names.get(name) or state.export_names.get(canonical_name(name))
+        canonical = canonical_of(state, name)
         if canonical is None:
             yield name, tensor
             continue
         if tensor.dtype != torch.float32:
             raise TypeError(f"Fair Cast export: {name} arrives as {tensor.dtype}, expected the fp32 master")
         seen.add(canonical)
-        yield name, _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
+        if state.stateful:
+            shards = registered_shards(state.module) if shards is None else shards
+            yield name, served_full(state, canonical, tensor.shape, tensor.device, shards)
+        else:
+            yield name, _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
     missing = state.canonical - seen
     if missing and not state.peft:
         raise RuntimeError(
@@ -100,10 +121,108 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
 
 
 def _cast_unaudited(caster: FairCaster, name: str, master: torch.Tensor) -> torch.Tensor:
-    """``caster.cast`` without the audit observation: the audit samples FSDP's per-shard casts (every version,
-    on every rank, all-reduced), and the export of the same version is the same bits. Only the stateless modes
-    reach here (error feedback and EMA are refused for verl's FSDP engines)."""
+    """``caster.cast`` of a full tensor without the audit observation: the audit samples FSDP's per-shard casts
+    (every version, on every rank, all-reduced), and the export of the same version is the same bits. Stateless
+    modes only (stateful ones go through :func:`served_full`)."""
     return fair_cast(master, key=caster.key(name), mode=caster.mode, backend=caster.config.backend)
+
+
+def served_full(state: EngineFairCast, name: str, shape, device, shards=None) -> torch.Tensor:
+    """The full served bf16 copy of registered parameter ``name`` (collective; see :func:`fsdp.assemble_served`)."""
+    shards = registered_shards(state.module) if shards is None else shards
+    return assemble_served(state.caster, name, shards.get(name), shape, device)
+
+
+def advance(state: EngineFairCast) -> None:
+    """After an optimizer step: the next FSDP cast and the next export use the new weight version (EMA: this
+    rank's shards move towards the updated masters, elementwise, so the shards together are the full EMA)."""
+    ema = state.caster.config.enabled and state.caster.config.ema_decay
+    state.caster.advance(
+        [(name, master) for name, (_, master) in registered_shards(state.module).items()] if ema else None
+    )
+
+
+def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
+    """verl's ``(name, local bf16 shard, ShardSpec)`` stream (``get_per_tensor_param_shard``, the delta_sharded
+    engine's source) with each registered parameter's shard replaced by the same elements of the served copy.
+
+    FSDP2: the exported DTensor shard *is* the shard FSDP casts, so it is cast in place (no collective). FSDP1
+    exports ``Shard(0)`` chunks that do not follow its flat-parameter shards: the served copy is assembled
+    (:func:`served_full`, collective on every rank in verl's identical order) and this rank's block taken from it.
+    """
+    from verl.workers.engine.spec import derive_dtensor_placement, translate_flat_indices
+
+    shards = registered_shards(state.module)
+    for name, local, spec in weights:
+        canonical = canonical_of(state, name)
+        if canonical is None:
+            yield name, local, spec
+            continue
+        place = spec.place if spec.place is not None else derive_dtensor_placement(spec)[0]
+        n = local.numel()
+        if fsdp_version == 2:
+            offset = place if isinstance(place, int) else place.flat_offset
+            if n == 0:
+                yield name, local, spec
+                continue
+            got = shards.get(canonical)
+            if got is None or got[0] != offset or got[1].numel() != n or not (
+                    isinstance(place, int) or place.is_flat_contiguous):
+                raise RuntimeError(f"Fair Cast delta export: the shard of {name} verl exports does not match the "
+                                   f"shard FSDP casts (offset {offset}, {n} elements)")
+            q = state.caster.cast(canonical, got[1], offset=offset)
+        else:
+            full = served_full(state, canonical, spec.full_shape, local.device, shards).reshape(-1)
+            if isinstance(place, int):
+                q = full[place: place + n]
+            else:
+                q = full[translate_flat_indices(torch.arange(n, device=local.device), place)]
+        yield name, q.reshape(-1).to(local.device), spec
+
+
+def merged_lora_export(engine, state: EngineFairCast) -> Iterator[Tuple[str, torch.Tensor]]:
+    """verl's merged-LoRA export (``model.lora.merge=true``) with Fair Cast: each LoRA-target weight is merged
+    in fp32 (W + s*B@A, by verl's ``merged_lora_context``) and cast with the key of its canonical base-weight
+    name at the current version; every other tensor is exported as verl exports it (round-to-nearest)."""
+    from verl.utils.fsdp_utils import merged_lora_context, normalize_peft_param_name
+    from verl.workers.engine.fsdp import transformer_impl as impl
+
+    hf = _hf_model(engine.module)
+    merged = _lora_target_weights(hf)
+    device = impl.get_device_id()
+    seen = set()
+    try:
+        with merged_lora_context(engine.module, backup_adapters=True):
+            params = normalize_peft_param_name(engine.module.state_dict())
+            renamed = impl.convert_weight_keys({n: n for n in params}, hf)  # exported name -> verl's name
+            params = impl.convert_weight_keys(params, hf)
+            for name, param in params.items():
+                full = param.to(device, non_blocking=True).full_tensor() if hasattr(param, "full_tensor") else param
+                canonical = canonical_name(renamed.get(name, name))
+                if canonical in merged:
+                    if full.dtype != torch.float32:
+                        raise TypeError(f"Fair Cast merged-LoRA export: {name} is {full.dtype}, expected fp32")
+                    seen.add(canonical)
+                    yield name, fair_cast(full.detach().contiguous(), key=state.caster.key(canonical),
+                                          mode=state.caster.mode, backend=state.caster.config.backend)
+                elif hasattr(param, "full_tensor"):
+                    yield name, full.to(torch.bfloat16)  # what verl sends for a DTensor: round-to-nearest
+                else:
+                    yield name, param.detach().clone()
+    finally:
+        if engine._is_offload_param:
+            impl.offload_fsdp_model_to_cpu(engine.module)
+    if merged - seen:
+        raise RuntimeError(f"Fair Cast merged-LoRA export: LoRA-target weights missing from verl's export: "
+                           f"{sorted(merged - seen)[:3]}")
+
+
+def _lora_target_weights(peft_model) -> Set[str]:
+    """Canonical names of the base weights LoRA adapters are merged into."""
+    from peft.tuners.lora import LoraLayer
+
+    return {canonical_name(f"{prefix}.base_layer.weight") for prefix, m in peft_model.named_modules()
+            if isinstance(m, LoraLayer) and len(m.lora_A) and hasattr(m, "base_layer")}
 
 
 # -- checkpoint ----------------------------------------------------------------------------------------------

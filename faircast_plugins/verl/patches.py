@@ -84,7 +84,7 @@ def _wrap_optimizer_step(original):
         result = original(self, *args, **kwargs)
         state = fc_engine.state_of(self)
         if state is not None:
-            state.caster.advance()  # the next FSDP cast and the next export use the new weight version
+            fc_engine.advance(state)  # the next FSDP cast and the next export use the new weight version
         return result
 
     return optimizer_step
@@ -122,17 +122,29 @@ def _wrap_unfuse_moe_params(original):
     return unfuse_moe_params
 
 
-def _refuse_when_active(what: str, why: str):
-    def factory(original):
-        @functools.wraps(original)
-        def guarded(self, *args, **kwargs):
-            if fc_engine.state_of(self) is not None:
-                raise RuntimeError(f"Fair Cast does not support {what}: {why}")
+def _wrap_get_per_tensor_param_shard(original):
+    @functools.wraps(original)
+    def get_per_tensor_param_shard(self, *args, **kwargs):
+        weights, extra = original(self, *args, **kwargs)
+        state = fc_engine.state_of(self)
+        if state is None:
+            return weights, extra
+        from verl.utils.fsdp_utils import fsdp_version
+
+        return fc_engine.cast_local_shards(state, weights, fsdp_version(self.module)), extra
+
+    return get_per_tensor_param_shard
+
+
+def _wrap_merged_lora_per_tensor_param(original):
+    @functools.wraps(original)
+    def _merged_lora_per_tensor_param(self, *args, **kwargs):
+        state = fc_engine.state_of(self)
+        if state is None:
             return original(self, *args, **kwargs)
+        return fc_engine.merged_lora_export(self, state)
 
-        return guarded
-
-    return factory
+    return _merged_lora_per_tensor_param
 
 
 def _wrap_save_checkpoint(original):
@@ -167,10 +179,8 @@ def build_patch_set() -> PatchSet:
     patches.wrap(f"{_ENGINE}.optimizer_step", _wrap_optimizer_step)
     patches.wrap(f"{_ENGINE}.get_per_tensor_param", _wrap_get_per_tensor_param)
     patches.wrap(f"{_IMPL}:unfuse_moe_params", _wrap_unfuse_moe_params)
-    patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _refuse_when_active(
-        "verl's delta_sharded export", "it ships byte diffs of round-to-nearest bf16 shards"))
-    patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _refuse_when_active(
-        "merged LoRA export", "the rollout would serve round(W + BA) while the actor computes W x + B(A x)"))
+    patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _wrap_get_per_tensor_param_shard)
+    patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _wrap_merged_lora_per_tensor_param)
     patches.wrap(f"{_ENGINE}.save_checkpoint", _wrap_save_checkpoint)
     patches.wrap(f"{_ENGINE}.load_checkpoint", _wrap_load_checkpoint)
     return patches

@@ -79,6 +79,10 @@ ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED}}}"
 ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
 _RUNS: dict = {}
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]  # unmerged (verl's default)
+MERGE = [*LORA, "actor_rollout_ref.model.lora.merge=true"]
+EF = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_feedback}}"
+EF_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_feedback,audit:true}}"
+EMA = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},ema_decay:0.5}}"
 EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {enable: true, seed: 1234}
 
 
@@ -98,14 +102,26 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                 cases.append(dict(name="fsdp2_audit_only", strategy="fsdp2",
                                   overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}"]))
                 cases.append(dict(name="fsdp2_lora", strategy="fsdp2", overrides=[ON, *LORA]))
+                cases += [dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON, *MERGE], merged_reference=True),
+                          dict(name="fsdp2_lora_merge_off", strategy="fsdp2", overrides=MERGE, merged_reference=True),
+                          dict(name="fsdp2_ef", strategy="fsdp2", overrides=[EF], delta=True),
+                          dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], delta=True)]
             if world == 3:  # packed MoE experts (4 over 3 ranks: uneven shards of a 3-D parameter), unfused on export
                 cases.append(dict(name="fsdp2_moe", strategy="fsdp2", overrides=[ON], model_dir=moe_model_dir))
+                cases += [dict(name="fsdp2_ema", strategy="fsdp2", overrides=[EMA], delta=True),
+                          dict(name="fsdp_ef", strategy="fsdp", overrides=[EF], delta=True)]
             if world == 2:
                 ckpt = str(out / "ckpt")
-                cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt)
+                cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt, delta=True)
+                cases[1].update(delta=True)
                 cases += [dict(name="fsdp2_resume", strategy="fsdp2", overrides=[ON_AUDIT], load_checkpoint=ckpt),
-                          dict(name="fsdp2_off", strategy="fsdp2"),
-                          dict(name="fsdp_off", strategy="fsdp"),
+                          dict(name="fsdp2_off", strategy="fsdp2", delta=True),
+                          dict(name="fsdp_off", strategy="fsdp", delta=True),
+                          dict(name="fsdp2_ef", strategy="fsdp2", overrides=[EF_AUDIT], save_checkpoint=ckpt + "_ef"),
+                          dict(name="fsdp2_ef_resume", strategy="fsdp2", overrides=[EF_AUDIT], load_checkpoint=ckpt + "_ef"),
+                          dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], save_checkpoint=ckpt + "_ema"),
+                          dict(name="fsdp_ema_resume", strategy="fsdp", overrides=[EMA], load_checkpoint=ckpt + "_ema"),
+                          dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON, *MERGE], merged_reference=True),
                           dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
                           dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True),
                           dict(name="fsdp2_tied", strategy="fsdp2", overrides=[ON], model_dir=tied_model_dir),

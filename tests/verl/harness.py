@@ -176,6 +176,20 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     log_prob()
     result["forward_v0"] = recorder.take()
     result["masters_v0"] = full_masters(engine.module)
+    # the full masters after each optimizer step (stateful modes: the reference replays every version)
+    result["masters_by_step"] = steps = []
+    step = engine.optimizer_step
+
+    def optimizer_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        steps.append(full_masters(engine.module))
+        return out
+
+    engine.optimizer_step = optimizer_step
+    if case.get("delta"):  # verl's delta_sharded source: the seed (full export), then the shard snapshots
+        seed, _ = engine.get_per_tensor_param()
+        result["delta_seed"] = {k: v.clone() for k, v in seed}
+        engine.prime_delta_snapshots()
 
 
     if case.get("load_checkpoint"):
@@ -202,6 +216,25 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
         cpu_platform.SENT_BY_CHECKPOINT_ENGINE.clear()
         asyncio.run(worker.update_weights())  # mode "auto" -> rollout.checkpoint_engine.backend
         result["sent_by_checkpoint_engine"] = cpu_platform.SENT_BY_CHECKPOINT_ENGINE.pop()
+    if case.get("delta"):  # steady state: this rank's shards and the deltas it sends at the current version
+        from verl.workers.engine.spec import derive_dtensor_placement, translate_flat_indices
+
+        shards, _ = engine.get_per_tensor_param_shard()
+        result["delta_shards"] = {}
+        for name, local, spec in shards:
+            place = derive_dtensor_placement(spec)[0]
+            idx = (torch.arange(local.numel()) + place if isinstance(place, int)
+                   else translate_flat_indices(torch.arange(local.numel()), place))
+            result["delta_shards"][name] = (idx, local.clone())
+        entries, _ = engine.get_per_tensor_param_delta_shard()
+        result["deltas"] = {slots[0][0]: (idx.clone(), val.clone()) for slots, _, _, idx, val, _ in entries}
+    if case.get("merged_reference"):  # the fp32 merged weights W + s*B@A, as verl's own merge computes them
+        from verl.utils.fsdp_utils import merged_lora_context, normalize_peft_param_name
+
+        with merged_lora_context(engine.module, backup_adapters=True):
+            params = normalize_peft_param_name(engine.module.state_dict())
+            result["merged"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                                for k, v in params.items()}
     result["masters"] = full_masters(engine.module)
     log_prob()
     result["forward"] = recorder.take()

@@ -1,4 +1,4 @@
-"""Run by test_fsdp.py under torchrun (2 CPU processes, gloo): GRPO through TRL/accelerate on FSDP2, bf16 mixed precision.
+"""Run by test_fsdp.py under torchrun (2 CPU processes, gloo): TRL trainers on FSDP2 through accelerate, bf16.
 
     torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm|rloo|async]   (MODE: stochastic | off)
 
@@ -232,8 +232,10 @@ torch.save({
     "fsdp_version": trainer.accelerator.state.fsdp_plugin.fsdp_version, "fsdp_types": recorder.fsdp_types,
     "param_dtype": str(trainer.accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype),
     "version": fc.caster.version if fc is not None else None, "steps": trainer.state.global_step,
-    "forwards": recorder.forwards, "logp_calls": recorder.logp_calls, "checked": recorder.checked, "mismatches": recorder.mismatches[:50],
+    "forwards": recorder.forwards, "logp_calls": recorder.logp_calls, "checked": recorder.checked,
+    "mismatches": recorder.mismatches[:50],
     "n_mismatches": len(recorder.mismatches), "differs_from_nearest": recorder.differs_from_nearest,
     "masters": recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
-    "export_dtypes": export_dtypes, "streamed": streamed, "output_dir": args.output_dir, "logs": logs, "trainer": type(trainer).__name__,
+    "export_dtypes": export_dtypes, "streamed": streamed, "output_dir": args.output_dir, "logs": logs,
+    "trainer": type(trainer).__name__,
 }, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))

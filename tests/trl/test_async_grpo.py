@@ -1,4 +1,5 @@
-"""TRL's real AsyncGRPOTrainer on CPU, one process (FSDP2 with 2 processes: test_fsdp.py), with its two documented plug points filled by test stand-ins.
+"""TRL's real AsyncGRPOTrainer on CPU, one process (FSDP2 with 2 processes: test_fsdp.py), with its two documented
+plug points filled by test stand-ins.
 
 What runs on CPU: the trainer, its data path (rollout queue -> packing -> collator), the tree-attention loss forward,
 the optimizer, the weight-sync callbacks and ``_streaming_iter``. What does not, and is replaced here (tests only):

@@ -68,7 +68,8 @@ def _check_fsdp2_run(ranks, trainer: str, version: int = 3, old_logps: bool = Tr
 def fsdp_runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trl-fsdp")
     return {key: _run(tiny_model_dir, out, *key) for key in
-            [("stochastic", ""), ("stochastic", "rloo"), ("stochastic", "vllm"), ("off", "vllm"), ("stochastic", "async")]}
+            [("stochastic", ""), ("stochastic", "rloo"), ("stochastic", "vllm"), ("off", "vllm"),
+             ("stochastic", "async")]}
 
 
 def test_grpo_fsdp2_every_forward_runs_on_fair_cast_of_the_master(fsdp_runs):

@@ -41,6 +41,14 @@ def _audit_key(name: str, offset: int, x: torch.Tensor) -> str:
     return f"{name}@{offset}+{x.numel()}"
 
 
+def _ema_step(m: torch.Tensor, x: torch.Tensor, decay: float) -> None:
+    """``m = m + (1 - decay) * (x - m)`` in fp32, each operation rounded on its own (no fused multiply-add), so the
+    bits do not depend on the device, the kernel or where a shard starts."""
+    d = x.detach().to(m.device) - m
+    d.mul_(1.0 - decay)
+    m.add_(d)
+
+
 class _Residual:
     """Error-feedback state of one parameter (or shard): residual entering ``version``, and the last served copy."""
 
@@ -69,14 +77,47 @@ class FairCaster:
         return derive_key(self.config.seed, self.version, canonical_name(name))
 
     # -- casting --------------------------------------------------------------------------------------------
+    @property
+    def ema_on(self) -> bool:
+        """True when casts read an EMA of the master (``ema_decay > 0`` and Fair Cast enabled)."""
+        return bool(self.config.enabled and self.config.ema_decay)
+
     def source(self, name: str, master: torch.Tensor) -> torch.Tensor:
-        """The tensor the cast reads: the master, or its EMA when ``ema_decay > 0``."""
-        if not (self.config.enabled and self.config.ema_decay):
+        """The tensor the cast reads: the master, or its EMA when ``ema_decay > 0`` (on the master's device)."""
+        if not self.ema_on:
             return master
         name = canonical_name(name)
         m = self._ema.get(name)
         if m is None:
             m = self._ema[name] = master.detach().clone()
+        return m if m.device == master.device else m.to(master.device)
+
+    def has_ema(self, name: str) -> bool:
+        return canonical_name(name) in self._ema
+
+    def update_ema(self, name: str, master: torch.Tensor, *, start: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One EMA step of one parameter, or of one shard of it, with its updated ``master``; returns the EMA.
+
+        For cast sites that see the updated masters piece by piece (DeepSpeed's ZeRO partitions): the EMA is
+        elementwise, so a shard's EMA is exactly that shard of the full EMA. Call it once per optimizer step,
+        then :meth:`advance` with ``masters=()``. ``start``: the value the EMA had before this step when it
+        has no state yet (default: the master itself). The EMA lives on the master's device.
+        """
+        if not self.ema_on:
+            raise ValueError("update_ema needs Fair Cast enabled with ema_decay > 0")
+        cname = canonical_name(name)
+        m = self._ema.get(cname)
+        if m is None:
+            init = master if start is None else start
+            m = self._ema[cname] = init.detach().to(device=master.device, dtype=torch.float32, copy=True)
+        elif m.shape != master.shape:
+            raise ValueError(
+                f"the EMA of {cname} has shape {tuple(m.shape)}, its master {tuple(master.shape)}: the EMA is per-rank "
+                f"state of this rank's shard; resume with the same sharding (ZeRO stage and world size)"
+            )
+        elif m.device != master.device:
+            m = self._ema[cname] = m.to(master.device)
+        _ema_step(m, master, self.config.ema_decay)
         return m
 
     def cast(
@@ -148,18 +189,23 @@ class FairCaster:
 
     # -- weight version -------------------------------------------------------------------------------------
     def advance(self, masters: Optional[Named] = None, steps: int = 1) -> int:
-        """Move to the next weight version after an optimizer step; update the EMA from ``masters``."""
+        """Move to the next weight version after an optimizer step; update the EMA from ``masters``.
+
+        With ``ema_decay > 0`` the updated masters are required; pass ``masters=()`` when the cast site updates
+        the EMA itself, shard by shard, with :meth:`update_ema`.
+        """
         if steps < 1:
             raise ValueError("steps must be >= 1")
-        ema = self.config.enabled and self.config.ema_decay
-        if ema:
+        if self.ema_on:
             if masters is None:
                 raise ValueError("FairCaster.advance needs the updated masters when ema_decay > 0")
-            b = self.config.ema_decay
             for name, x in _items(masters):
-                m = self.source(name, x)
+                cname = canonical_name(name)
+                m = self._ema.get(cname)
+                if m is None:
+                    m = self._ema[cname] = x.detach().clone()
                 for _ in range(steps):
-                    m.add_(x.detach() - m, alpha=1.0 - b)
+                    _ema_step(m, x, self.config.ema_decay)
         if self.mode == "error_feedback" and steps > 1:
             raise ValueError("error_feedback casts every version: advance one step at a time")
         self.version += steps

@@ -9,8 +9,8 @@ copy-back can be cast per ROUNDING.md whatever the stage, the partitioning or th
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,12 +19,16 @@ BF16_BYTES = 2
 
 @dataclass(frozen=True)
 class Span:
-    """``numel`` bf16 elements at byte address ``start``: elements ``offset ..`` of parameter ``name``."""
+    """``numel`` bf16 elements at byte address ``start``: elements ``offset ..`` of parameter ``name``.
+
+    ``weights``: those elements as a flat bf16 tensor (to read what is served before a copy-back overwrites it).
+    """
 
     start: int
     numel: int
     name: str
     offset: int
+    weights: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def end(self) -> int:
@@ -56,6 +60,7 @@ class WeightLayout:
     def __init__(self, spans: Sequence[Span], aliases: Sequence[Alias] = ()):
         self.spans = sorted((s for s in spans if s.numel > 0), key=lambda s: s.start)
         self._starts = [s.start for s in self.spans]
+        self._by_name = {s.name: s for s in self.spans}
         self.aliases = list(aliases)
         for a, b in zip(self.spans, self.spans[1:]):
             if b.start < a.end:
@@ -76,10 +81,10 @@ class WeightLayout:
                 first = part.ds_numel * rank
                 valid = min(part.ds_numel, p.ds_numel - first)
                 if valid > 0 and part.numel() > 0:
-                    spans.append(Span(part.data_ptr(), valid, name, first))
+                    spans.append(Span(part.data_ptr(), valid, name, first, part.data.view(-1)[:valid]))
         else:
             # ZeRO-0/1/2 and BF16_Optimizer keep every full parameter as a view of the bf16 weights.
-            spans = [Span(p.data_ptr(), p.numel(), name, 0) for name, p in named_params if p.numel() > 0]
+            spans = [Span(p.data_ptr(), p.numel(), name, 0, p.data.view(-1)) for name, p in named_params if p.numel() > 0]
         return cls(spans, _offload_aliases(engine))
 
     def touches(self, dst: torch.Tensor) -> bool:
@@ -111,6 +116,13 @@ class WeightLayout:
                                    span.offset + (a - span.start) // BF16_BYTES))
             i += 1
         return out
+
+    def weights(self, seg: Segment) -> torch.Tensor:
+        """The bf16 weight elements a segment covers, as they are now (a view of the weight memory)."""
+        span = self._by_name.get(seg.name)
+        if span is None or span.weights is None or not span.offset <= seg.offset <= span.offset + span.numel - seg.length:
+            raise KeyError(f"no mapped weights for {seg}")
+        return span.weights[seg.offset - span.offset: seg.offset - span.offset + seg.length]
 
 
 def _offload_aliases(engine) -> List[Alias]:

@@ -21,6 +21,13 @@ ZeRO-3 (+ offload)                          ``_reassign_or_swap_out_partitioned_
 
 Each step must cast at least one element, or it fails loudly (a DeepSpeed change, or a mode without an
 fp32 master); a step DeepSpeed skips on overflow leaves the weight version unchanged.
+
+With ``ema_decay > 0`` the optimizer still updates the fp32 master; the copy-back then writes
+``fair_cast(EMA of the master)``. The EMA is elementwise, so each rank keeps it for exactly the master
+elements it copies back (its ZeRO partition), keyed like the casts by canonical name and global element
+index, and updates it from the freshly stepped master inside the copy-back. It starts at the master of
+version 0, which a fresh engine holds exactly in its bf16 weights (DeepSpeed builds its fp32 masters from
+them); a resumed run restores it from the checkpoint.
 """
 from __future__ import annotations
 
@@ -56,8 +63,11 @@ _ORIGINAL_COPY = torch.Tensor.copy_
 class _CopyBackInterceptor:
     """Stands in for ``torch.Tensor.copy_`` during one optimizer step of one engine."""
 
-    def __init__(self, layout: WeightLayout, caster: FairCaster):
+    def __init__(self, layout: WeightLayout, caster: FairCaster, *, step_ema: bool = True, ema_may_start: bool = False):
         self.layout, self.caster = layout, caster
+        # step_ema: this copy-back follows an optimizer step (update the EMA), not a re-cast of loaded masters.
+        self.step_ema = step_ema and caster.ema_on
+        self.ema_may_start = ema_may_start
         self.copies_seen = 0
         self.elements_cast = 0
         self._busy = False
@@ -86,10 +96,13 @@ class _CopyBackInterceptor:
                 f"DeepSpeed copied an fp32 tensor {tuple(src.shape)} into bf16 weights {tuple(dst.shape)} in a layout "
                 f"Fair Cast does not know; refusing to guess which master element lands where"
             )
-        _ORIGINAL_COPY(dst, src, non_blocking)  # padding between parameters keeps DeepSpeed's own bits
         flat_dst, flat_src = dst.view(-1), src.view(-1)
         self._busy = True
         try:
+            if self.caster.ema_on:  # before the copy: an EMA without state starts at the weights served now
+                for seg in segments:
+                    self._ema(seg, flat_src[seg.begin: seg.begin + seg.length])
+            _ORIGINAL_COPY(dst, src, non_blocking)  # padding between parameters keeps DeepSpeed's own bits
             for seg in segments:
                 x = flat_src[seg.begin: seg.begin + seg.length]
                 if x.device != flat_dst.device:  # offloaded master: round where the weights live
@@ -100,6 +113,21 @@ class _CopyBackInterceptor:
             self._busy = False
         return dst
 
+    def _ema(self, seg, master: torch.Tensor) -> None:
+        """Step this segment's EMA with its updated master (or, re-casting loaded masters, check it exists)."""
+        if self.caster.has_ema(seg.name):
+            if self.step_ema:
+                self.caster.update_ema(seg.name, master)
+            return
+        if not (self.step_ema and self.ema_may_start):
+            raise FairCastPatchError(
+                f"Fair Cast has no EMA state for {seg.name} (elements {seg.offset}..{seg.offset + seg.length - 1}) at "
+                f"weight version {self.caster.version}: with faircast.ema_decay the EMA starts at a fresh engine's "
+                f"first step, or is restored from a checkpoint written with the same Fair Cast settings"
+            )
+        # A fresh engine's fp32 master at version 0 is exactly its bf16 weights (DeepSpeed builds it from them).
+        self.caster.update_ema(seg.name, master, start=self.layout.weights(seg).float())
+
 
 class DeepSpeedFairCast:
     """Fair Cast state of one DeepSpeed engine: the caster, the canonical names of its trainable parameters."""
@@ -109,6 +137,8 @@ class DeepSpeedFairCast:
         self.caster = caster
         self.named_params = named_params
         self.last_step_elements = 0
+        # With ema_decay, the EMA may start from the weights only on a fresh engine (version 0, no step taken).
+        self.ema_may_start = caster.version == 0 and int(getattr(engine, "global_steps", 0)) == 0
 
     def _intercepting(self, interceptor: "_CopyBackInterceptor"):
         def copy_(dst, src, non_blocking=False):  # a plain function, so that it binds to the tensor like copy_
@@ -117,8 +147,11 @@ class DeepSpeedFairCast:
         return temporarily(torch.Tensor, "copy_", copy_)
 
     def take_model_step(self, original, *args, **kwargs):
-        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster)
-        self.caster.advance()  # the copy-back writes the weights after this step: the next version
+        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster,
+                                           ema_may_start=self.ema_may_start)
+        # The copy-back writes the weights after this step: the next version. (With ema_decay the interceptor
+        # updates the EMA partition by partition, from the masters as the copy-back reads them.)
+        self.caster.advance(masters=())
         try:
             with self._intercepting(interceptor):
                 result = original(self.engine, *args, **kwargs)
@@ -135,6 +168,7 @@ class DeepSpeedFairCast:
                 f"copy would silently stay round-to-nearest. This DeepSpeed version or configuration is not supported."
             )
         self.last_step_elements = interceptor.elements_cast
+        self.ema_may_start = False
         return result
 
     def recast_after_load(self) -> None:
@@ -151,7 +185,8 @@ class DeepSpeedFairCast:
                 f"DeepSpeed {_installed()} ZeRO-3 has no _reassign_or_swap_out_partitioned_parameters; Fair Cast cannot "
                 f"restore the served copy after a checkpoint load"
             )
-        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster)
+        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster,
+                                           step_ema=False)
         with torch.no_grad(), self._intercepting(interceptor):
             for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
                 opt._reassign_or_swap_out_partitioned_parameters(sub_group)
@@ -164,7 +199,7 @@ class DeepSpeedFairCast:
         return os.path.join(tag_dir, STATE_FILE.format(rank=dist.get_rank()))
 
     def save(self, tag_dir: str) -> str:
-        """Write this rank's Fair Cast state (seed, weight version, error-feedback residuals) next to the checkpoint."""
+        """Write this rank's Fair Cast state (seed, weight version, error-feedback residuals or EMA) next to the checkpoint."""
         state = _to_cpu(self.caster.state_dict())
         state["deepspeed"] = {
             "zero_stage": self.engine.zero_optimization_stage(),
@@ -179,10 +214,11 @@ class DeepSpeedFairCast:
     def load(self, tag_dir: str) -> None:
         """Restore this rank's Fair Cast state from a checkpoint directory written by :meth:`save`."""
         path = self.state_path(tag_dir)
+        per_rank = self._per_rank_state()
         if not os.path.exists(path):
-            if self.caster.mode == "error_feedback":
+            if per_rank:
                 raise FairCastPatchError(
-                    f"resuming with faircast mode=error_feedback needs this rank's residuals, but {path} does not "
+                    f"resuming with faircast {per_rank} needs this rank's Fair Cast state, but {path} does not "
                     f"exist (checkpoint written without Fair Cast, or with a different world size)"
                 )
             self.caster.version = int(self.engine.global_steps)
@@ -192,13 +228,25 @@ class DeepSpeedFairCast:
             return
         state = torch.load(path, map_location="cpu", weights_only=False)
         saved = state.get("deepspeed", {})
-        if self.caster.mode == "error_feedback" and saved.get("world_size") not in (None, self.engine.world_size):
-            raise FairCastPatchError(
-                f"error-feedback residuals in {tag_dir} were written at world size {saved['world_size']}, this run has "
-                f"{self.engine.world_size}: the residuals are per-rank state; resume at the same world size"
-            )
+        if per_rank:
+            for what, now in (("world size", self.engine.world_size), ("ZeRO stage", self.engine.zero_optimization_stage())):
+                was = saved.get("world_size" if what == "world size" else "zero_stage")
+                if was not in (None, now):
+                    raise FairCastPatchError(
+                        f"the Fair Cast state in {tag_dir} ({per_rank}) was written at {what} {was}, this run has {now}: "
+                        f"it is per-rank state of each rank's partition; resume at the same world size and ZeRO stage"
+                    )
         self.caster.load_state_dict(state)
+        self.ema_may_start = False
         self.recast_after_load()
+
+    def _per_rank_state(self) -> str:
+        """What per-partition state this run keeps ("" for none)."""
+        if self.caster.mode == "error_feedback":
+            return "mode=error_feedback (residuals)"
+        if self.caster.ema_on:
+            return f"ema_decay={self.caster.config.ema_decay} (EMA of the master)"
+        return ""
 
 
 def _regather_persistent(params) -> None:
@@ -337,11 +385,6 @@ def _check_engine(engine, caster: FairCaster) -> None:
         )
     if engine.torch_autocast_enabled():
         raise FairCastPatchError("Fair Cast's DeepSpeed patch does not support torch_autocast (module weights stay fp32)")
-    if caster.config.enabled and caster.config.ema_decay:
-        raise FairCastPatchError(
-            "faircast.ema_decay is not supported by the DeepSpeed patch (the EMA would be sharded per ZeRO partition); "
-            "use ema_decay=0"
-        )
     opt = engine.optimizer
     supported = any(
         type(opt).__name__ == cls and type(opt).__module__ == mod for cls, mod in SUPPORTED_OPTIMIZERS.items()

@@ -5,7 +5,7 @@ The same run as ``python -m openrlhf.cli.train_ppo_ray`` plus Fair Cast on the p
     --faircast                   turn Fair Cast on (alias --faircast.enable)
     --faircast.mode MODE         stochastic (default), error_feedback or nearest
     --faircast.seed N            run seed keying the rounding noise (default 0)
-    --faircast.ema_decay B       refused by the DeepSpeed patch for now; must stay 0
+    --faircast.ema_decay B       serve fair_cast(EMA of the fp32 master), decay B in [0, 1); 0 = off (default)
     --faircast.audit             log faircast/* lag metrics (also without --faircast: measures the baseline)
 
 OpenRLHF builds its parser inline under ``if __name__ == "__main__":``, so the flags are added to it
@@ -36,7 +36,8 @@ def add_faircast_arguments(parser: argparse.ArgumentParser) -> None:
                        help="stochastic (default), error_feedback or nearest")
     group.add_argument("--faircast.seed", dest="faircast.seed", default=0, help="unsigned 64-bit seed of the rounding noise")
     group.add_argument("--faircast.ema_decay", dest="faircast.ema_decay", default=0.0,
-                       help="EMA of the master before the cast (not supported with DeepSpeed: keep 0)")
+                       help="serve the cast of an EMA of the fp32 master with this decay in [0, 1) (default 0: off); "
+                            "the optimizer still trains the master")
     group.add_argument("--faircast.audit", dest="faircast.audit", action="store_true", default=False,
                        help="log faircast/* metrics (lag of the served copy behind the fp32 master)")
 
@@ -70,8 +71,6 @@ def _wrap_parse_args(original):
         ns = original(self, args, namespace)
         try:
             config = config_from_namespace(ns)
-            if config.enabled and config.ema_decay:
-                raise ValueError("faircast.ema_decay is not supported by the DeepSpeed patch; leave it at 0")
             if config.active and getattr(ns, "ds.lora.rank", 0):
                 raise ValueError(LORA_REFUSED)
         except ValueError as exc:

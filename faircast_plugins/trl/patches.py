@@ -85,18 +85,12 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
 
 
 def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
-    """DeepSpeed runs go through the shared copy-back patch, which needs bf16 and has no EMA; refuse the rest now
+    """DeepSpeed runs go through the shared copy-back patch, which needs bf16; refuse the rest now
     (the patch re-checks the built engine when it is attached at the start of training)."""
     if not getattr(args, "bf16", False):
         raise FairCastUnsupportedError(
             f"Fair Cast with DeepSpeed in {trainer_name} needs bf16=True (DeepSpeed bf16: fp32 masters in the optimizer, "
             f"bf16 weights in the module); fp16 and fp32 DeepSpeed runs are refused."
-        )
-    cfg = faircast_config(args)
-    if cfg is not None and cfg.enabled and cfg.ema_decay:
-        raise FairCastUnsupportedError(
-            f"faircast_ema_decay is not supported with DeepSpeed in {trainer_name} (the EMA would be sharded per ZeRO "
-            f"partition); use faircast_ema_decay=0."
         )
 
 

@@ -91,6 +91,43 @@ def test_ema_casts_the_average_and_needs_masters():
         caster.advance()
 
 
+def test_update_ema_per_shard_equals_the_full_ema():
+    """Cast sites that see the master in shards (DeepSpeed's ZeRO partitions) keep the EMA per shard: the shards
+    of the full EMA, bit for bit, and so the same served bits."""
+    cfg = FairCastConfig(enabled=True, ema_decay=0.8, seed=3)
+    full, ranks = FairCaster(cfg), [FairCaster(cfg), FairCaster(cfg)]
+    cuts = [(0, 437), (437, 1024)]  # an uneven split
+    x0 = torch.randn(1024, generator=torch.Generator().manual_seed(1))
+    x = x0.clone()
+    full.cast("w", x)  # version 0: the EMA starts at the master
+    for v in range(1, 5):
+        x += 1e-3 * torch.randn(1024, generator=torch.Generator().manual_seed(10 + v))
+        full.advance({"w": x})
+        for caster, (a, b) in zip(ranks, cuts):
+            caster.update_ema("w", x[a:b], start=x0[a:b] if v == 1 else None)
+            caster.advance(masters=())
+            assert caster.version == full.version == v
+        want = full.cast("w", x)
+        for caster, (a, b) in zip(ranks, cuts):
+            assert torch.equal(bits(caster.cast("w", x[a:b], offset=a)), bits(want[a:b]))
+    assert not torch.equal(bits(want), bits(fair_cast(x, key=derive_key(3, 4, "w"))))  # the EMA is not the master
+    with pytest.raises(ValueError, match="per-rank state"):
+        ranks[0].update_ema("w", x[:100])
+    with pytest.raises(ValueError, match="needs Fair Cast enabled with ema_decay"):
+        FairCaster(FairCastConfig(enabled=True)).update_ema("w", x)
+
+
+def test_ema_step_rounds_each_operation():
+    """m + (1 - b) * (x - m) with each operation rounded to fp32 (no fused multiply-add), whatever the kernel."""
+    b = 0.9
+    caster = FairCaster(FairCastConfig(enabled=True, ema_decay=b, mode="nearest"))
+    g = torch.Generator().manual_seed(0)
+    m0, x = torch.randn(4099, generator=g), torch.randn(4099, generator=g)
+    caster.update_ema("w", x, start=m0)
+    d = (x - m0) * torch.tensor(1 - b, dtype=torch.float32)
+    assert torch.equal(caster.state_dict()["ema"]["w"].view(torch.int32), (m0 + d).view(torch.int32))
+
+
 def _run(caster, ms, steps, served):
     for _ in range(steps):
         served.append({n: bits(caster.cast(n, x)).clone() for n, x in ms.items()})

@@ -2,7 +2,8 @@
 
     python ds_worker.py OUT_DIR WORLD_SIZE SCENARIO [SCENARIO ...]
 
-A scenario is ``<config>:<faircast>``, e.g. ``z2_offload:stochastic`` or ``z3:off``. Every rank writes
+A scenario is ``<config>:<faircast>``, e.g. ``z2_offload:stochastic``, ``z3:off`` or ``z2:ema`` (stochastic
+with ``ema_decay=EMA_DECAY``). Every rank writes
 ``OUT_DIR/<scenario>.rank<r>.pt`` with, per canonical parameter name, the initial bf16 weights, the fp32
 masters after every step and the bf16 weights (what a rollout engine would be sent) after every step.
 Every rank sees the same batch, so the fp32 masters are the same whatever the stage or the world size.
@@ -21,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 1234
 STEPS = 6
 LR = 2e-5  # half a bf16 step at |w| in [0.5, 1) is ~1e-3: round-to-nearest freezes the copy for ~50 steps
+EMA_DECAY = 0.75
 
 # name -> (zero stage, extra DeepSpeed config)
 CONFIGS = {
@@ -151,7 +153,7 @@ def train_step(engine, ids):
 def make_engine(name: str, world: int, mode: str, ckpt_load: str | None = None):
     import deepspeed
 
-    from faircast_plugins import FairCastConfig, FairCaster
+    from faircast_plugins import FairCaster
     from faircast_plugins.deepspeed import apply_deepspeed_patch
 
     model = make_model()
@@ -162,8 +164,16 @@ def make_engine(name: str, world: int, mode: str, ckpt_load: str | None = None):
         engine.load_checkpoint(ckpt_load)
     fc = None
     if mode != "off":
-        fc = apply_deepspeed_patch(engine, FairCaster(FairCastConfig(enabled=True, mode=mode, seed=SEED, audit=True)))
+        fc = apply_deepspeed_patch(engine, FairCaster(faircast_config(mode)))
     return engine, fc
+
+
+def faircast_config(mode: str):
+    from faircast_plugins import FairCastConfig
+
+    if mode == "ema":
+        return FairCastConfig(enabled=True, mode="stochastic", seed=SEED, ema_decay=EMA_DECAY, audit=True)
+    return FairCastConfig(enabled=True, mode=mode, seed=SEED, audit=True)
 
 
 def run_scenario(name: str, world: int, mode: str, out_dir: str, rank: int) -> dict:

@@ -1,6 +1,8 @@
 """OpenRLHF's own policy path on CPU: args from its CLI, its DeepspeedStrategy, Actor, PolicyLoss.
 
-    python openrlhf_actor_worker.py OUT_FILE ZERO_STAGE FAIRCAST(on|off)
+    python openrlhf_actor_worker.py OUT_FILE ZERO_STAGE FAIRCAST(on|off|ema)
+
+``ema`` adds ``--faircast.ema_decay EMA_DECAY``.
 
 Trains a tiny Qwen2 (bf16, built on the fly) for a few PPO steps the way ``ActorPPOTrainer.training_step``
 does (old log-probs from the eval forward, new log-probs, ``PolicyLoss``, ``strategy.backward`` and
@@ -34,6 +36,7 @@ shims.install()
 
 SEED = 1234
 STEPS = 3
+EMA_DECAY = 0.5
 
 
 def tiny_qwen2(path: str) -> None:
@@ -53,7 +56,7 @@ def tiny_qwen2(path: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
 
 
-def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: bool = False):
+def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: bool = False, ema: bool = False):
     """OpenRLHF's hierarchized args exactly as its CLI builds them, through the Fair Cast wrapper.
 
     With ``keep_patches`` the policy-actor patch the CLI installed stays (a Ray test then creates actors).
@@ -82,7 +85,8 @@ def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: boo
         "--train.micro_batch_size", "2", "--train.batch_size", "2", "--rollout.batch_size", "2",
         "--actor.num_gpus_per_node", "1",
         "--actor.adam.lr", "1e-5", "--actor.lr_warmup_ratio", "0", "--actor.lr_scheduler", "constant",
-    ] + (["--faircast", "--faircast.seed", str(SEED), "--faircast.audit"] if faircast else [])
+    ] + (["--faircast", "--faircast.seed", str(SEED), "--faircast.audit"] if faircast else []) + (
+        ["--faircast.ema_decay", str(EMA_DECAY)] if ema else [])
     try:
         main(argv)
     except Launched:
@@ -94,7 +98,7 @@ def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: boo
     return captured["args"], real_get_strategy
 
 
-def main(out_file: str, stage: int, faircast: bool) -> None:
+def main(out_file: str, stage: int, flag: str) -> None:
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401
     from deepspeed.utils import safe_get_full_fp32_param
@@ -113,7 +117,8 @@ def main(out_file: str, stage: int, faircast: bool) -> None:
 
     model_path = tempfile.mkdtemp(prefix="tiny-qwen2-")
     tiny_qwen2(model_path)
-    args, get_strategy = openrlhf_args(model_path, stage, faircast)
+    faircast = flag != "off"
+    args, get_strategy = openrlhf_args(model_path, stage, faircast, ema=flag == "ema")
     strategy = get_strategy(args)
     strategy.world_size, strategy.accumulated_gradient = 1, 1  # what setup_distributed computes at world size 1
 
@@ -160,7 +165,11 @@ def main(out_file: str, stage: int, faircast: bool) -> None:
     advantages = torch.randn(2, 4, generator=g)
 
     record = {"served": [], "masters": [], "trainer_logits": [], "served_logits": [], "versions": [], "metrics": [],
-              "zero_stage": engine.zero_optimization_stage()}
+              "zero_stage": engine.zero_optimization_stage(), "ema_decay": args.faircast.ema_decay}
+    record["initial"] = {}
+    for name, param in actor.model.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=stage == 3):
+            record["initial"][name] = param.data.detach().clone()
     for step in range(STEPS):
         actor.eval()
         with torch.no_grad():
@@ -209,4 +218,4 @@ def main(out_file: str, stage: int, faircast: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "on")
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -7,8 +7,10 @@ CUDA-specific plumbing, never Fair Cast logic:
 * ``DeepspeedStrategy.setup_distributed``: gloo instead of ``torch.cuda.set_device`` + a CUDA device mesh;
 * ``DeepspeedStrategy.get_ds_train_config``: DeepSpeed's torch AdamW instead of the FusedAdam JIT build;
 * ``ppo_actor.torch_dist_barrier_and_cuda_sync``: the barrier without ``torch.cuda.synchronize``;
-* ``ppo_actor.NaiveReplayBuffer``: built while ``torch.cuda.current_device`` answers 0 (it only records a
-  target device; these tests never fill it).
+* ``torch.cuda.current_device`` answers ``"cpu"`` (OpenRLHF moves experiences and reductions to "the current
+  device") and ``torch.cuda.synchronize`` is a no-op (the end of ``PolicyModelActor.fit``);
+* ``ppo_actor.NaiveReplayBuffer``: built while ``torch.cuda.current_device`` answers 0 (it records a
+  ``cuda:N`` target device that only its unused ``sample()`` reads).
 
 ``probe`` is a method the Ray test adds to the shipped actor class, to look inside the worker.
 """
@@ -55,6 +57,8 @@ def install() -> None:
         finally:
             torch.cuda.current_device = current
 
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     ppo_actor.NaiveReplayBuffer = replay_buffer
     DeepspeedStrategy.setup_distributed = setup_distributed
     DeepspeedStrategy.get_ds_train_config = get_ds_train_config

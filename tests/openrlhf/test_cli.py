@@ -6,6 +6,10 @@ Ray actors (``get_strategy``), where the test stops it and inspects the args eve
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+
 import pytest
 
 # OpenRLHF's own minimal valid GRPO arguments (no critic: group_norm with a remote reward).
@@ -80,12 +84,20 @@ def test_without_the_flag_nothing_is_patched(launch):
     assert _shipped_init() is not policy.init_model_from_pretrained
 
 
+def test_ema_decay_reaches_the_policy_config(launch):
+    from faircast_plugins.openrlhf import config_from_args
+
+    args = launch(BASE + ["--faircast", "--faircast.ema_decay", "0.99"])
+    assert args.faircast.ema_decay == 0.99
+    config = config_from_args(args)
+    assert config.enabled and config.ema_decay == 0.99 and config.mode == "stochastic"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--faircast", "--faircast.mode", "sr"], "unknown Fair Cast mode 'sr'"),
     (["--faircast", "--faircast.seed", "-1"], "faircast.seed must be an integer"),
     (["--faircast", "--faircast.seed", "abc"], "faircast.seed must be an integer"),
     (["--faircast", "--faircast.ema_decay", "1.5"], "faircast.ema_decay must be in [0, 1)"),
-    (["--faircast", "--faircast.ema_decay", "0.9"], "ema_decay is not supported by the DeepSpeed patch"),
     (["--faircast", "--faircast.ema_decay", "x"], "faircast.ema_decay must be a number"),
     (["--faircast", "--ds.lora.rank", "8"], "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported"),
 ])
@@ -116,22 +128,76 @@ def test_unsupported_openrlhf_version_is_refused(monkeypatch):
     assert not policy.POLICY_PATCHES.active
 
 
-def _example_argv():
-    import os
-    import shlex
+# OpenRLHF's Ray examples that examples/openrlhf/ copies (OpenRLHF/OpenRLHF at this commit; path -> git blob id).
+UPSTREAM_COMMIT = "3c3be6234e0cb353e76bb8019947db9dfe99fca7"
+EXAMPLES = {
+    "train_ppo_with_reward_fn.sh": "142cbf62f8300b316b61e7bfbcd0ce3777bf6ca6",
+    "train_dapo_ray_hybrid_engine.sh": "37dab000a1a37696a038993f6502e7148f342484",
+}
+EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "openrlhf")
+NOTES_END = "# ---- end of the Fair Cast notes: below is OpenRLHF's script ----\n"
+# The documented changes, as (upstream text, example text).
+ENTRY = ("python3 -m openrlhf.cli.train_ppo_ray \\\n", "python3 -m faircast_plugins.openrlhf.train_ppo_ray \\\n   --faircast \\\n")
+# openrlhf 0.11.2 spells the TIS correction of the upstream scripts (clamp the token-level ratio into [0.5, 5]) so:
+IS_CORRECTION = ("   --algo.advantage.is_correction_enable\n",
+                 "   --algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip\n")
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = open(os.path.join(root, "examples", "openrlhf", "train_grpo_ray_hybrid_engine.sh")).read()
-    tokens = shlex.split(script.replace("\\\n", " "), comments=True)
-    start = tokens.index("faircast_plugins.openrlhf.train_ppo_ray") + 1
-    return tokens[start:]
+
+def _upstream_text(script: str) -> str:
+    """Undo exactly the documented changes: the notes, the entry point and --faircast, the 0.11.2 spelling."""
+    head, sep, text = script.partition(NOTES_END)
+    assert sep and all(line.startswith("#") for line in head.splitlines()), "the Fair Cast notes are comment lines"
+    assert text.count(ENTRY[1]) == 1
+    text = text.replace(ENTRY[1], ENTRY[0])
+    assert text.count(IS_CORRECTION[1]) <= 1
+    return text.replace(IS_CORRECTION[1], IS_CORRECTION[0])
 
 
-def test_example_script_parses_with_openrlhf(launch):
-    """examples/openrlhf: every argument is one OpenRLHF 0.11.2 accepts, and only --faircast* is added."""
-    argv = _example_argv()
-    extra = [a for a in argv if a.startswith("--faircast")]
-    assert extra == ["--faircast", "--faircast.seed", "--faircast.audit"]
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_is_openrlhfs_own_script_plus_faircast(name):
+    """examples/openrlhf/<name> is OpenRLHF's examples/scripts/<name> at UPSTREAM_COMMIT but for the documented
+    changes: with them undone, the text has upstream's git blob id (sha1 of "blob <size>\\0" + content)."""
+    script = open(os.path.join(EXAMPLE_DIR, name)).read()
+    assert UPSTREAM_COMMIT in script and EXAMPLES[name] in script  # the provenance note
+    data = _upstream_text(script).encode()
+    blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    assert blob == EXAMPLES[name], f"{name} differs from OpenRLHF's examples/scripts/{name} beyond the documented changes"
+
+
+# bash runs the example with python3 (and `ray job submit ... --`) replaced by functions that print the arguments.
+_PRINT_ARGV = 'python3() { printf "%s\\0" "$@"; }; ray() { while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shift; done; shift; "$@"; }; source "$1"'
+
+
+def _example_argv(name: str) -> list:
+    proc = subprocess.run(["bash", "-c", _PRINT_ARGV, "bash", os.path.join(EXAMPLE_DIR, name)],
+                          capture_output=True, text=True, check=True)
+    argv = proc.stdout.split("\0")[:-1]
+    assert argv[:2] == ["-m", "faircast_plugins.openrlhf.train_ppo_ray"], argv[:2]
+    return argv[2:]
+
+
+EXPECTED = {  # a few values each example must arrive with, to see that the whole command line was parsed
+    "train_ppo_with_reward_fn.sh": {("ds", "zero_stage"): 3, ("ds", "adam_offload"): True,
+                                    ("algo", "advantage", "estimator"): "gae", ("train", "colocate_actor_ref"): True},
+    "train_dapo_ray_hybrid_engine.sh": {("ds", "zero_stage"): 3, ("train", "colocate_all"): True,
+                                        ("algo", "advantage", "estimator"): "group_norm",
+                                        ("algo", "advantage", "is_correction_level"): "token",
+                                        ("algo", "advantage", "is_correction_mode"): "clip",
+                                        ("algo", "dynamic_filtering_enable"): True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_parses_with_openrlhf(launch, name):
+    """Every argument of the example is one the installed OpenRLHF (0.11.2) accepts, through its own parser and
+    argument checks, and the only Fair Cast argument is --faircast."""
+    argv = _example_argv(name)
+    assert [a for a in argv if a.startswith("--faircast")] == ["--faircast"]
     args = launch(argv)
-    assert (args.faircast.enable, args.faircast.seed, args.faircast.audit) == (True, 1234, True)
-    assert args.ds.zero_stage == 2 and args.train.colocate_all and args.algo.advantage.estimator == "group_norm"
+    assert args.faircast.enable is True and args.faircast.mode == "stochastic"
+    assert args.actor.model_name_or_path == "OpenRLHF/Llama-3-8b-sft-mixture"
+    for path, want in EXPECTED[name].items():
+        value = args
+        for part in path:
+            value = getattr(value, part)
+        assert value == want, (".".join(path), value)

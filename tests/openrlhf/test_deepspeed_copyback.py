@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from faircast_plugins import derive_key, fair_cast
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -22,9 +22,11 @@ import ds_worker  # noqa: E402
 SR_CONFIGS = ["z0", "z0_fused", "bf16opt", "z1", "z2", "z2_offload", "z3", "z3_offload"]
 OFF_CONFIGS = ["z0", "z2", "z3"]
 EF_CONFIGS = ["z2", "z3"]
+EMA_CONFIGS = SR_CONFIGS
 WORLDS = [1, 2]
 SCENARIOS = (
     [f"{c}:stochastic" for c in SR_CONFIGS] + [f"{c}:off" for c in OFF_CONFIGS] + [f"{c}:error_feedback" for c in EF_CONFIGS]
+    + [f"{c}:ema" for c in EMA_CONFIGS]
 )
 
 
@@ -85,14 +87,15 @@ def _same_masters(a: dict, b: dict) -> bool:
 MASTER_GROUPS = [["z1", "z2", "z2_offload", "bf16opt"], ["z0", "z0_fused"], ["z3", "z3_offload"]]
 
 
+@pytest.mark.parametrize("mode", ["stochastic", "ema"])
 @pytest.mark.parametrize("group", MASTER_GROUPS, ids=lambda g: "+".join(g))
-def test_served_copy_identical_across_stages_offload_and_world_sizes(runs, group):
+def test_served_copy_identical_across_stages_offload_and_world_sizes(runs, group, mode):
     """Same masters -> same served bits, whatever the stage, the offload, the world size or the rank."""
-    ref = runs[(group[0], "stochastic", 1, 0)]
+    ref = runs[(group[0], mode, 1, 0)]
     for world in WORLDS:
         for config in group:
             for rank in range(world):
-                got = runs[(config, "stochastic", world, rank)]
+                got = runs[(config, mode, world, rank)]
                 assert _same_masters(got, ref), f"{config} world {world} trained other masters than {group[0]} world 1"
                 for step in range(ds_worker.STEPS):
                     assert_same_bits(got["served"][step], ref["served"][step],
@@ -127,7 +130,7 @@ def test_error_feedback_matches_the_reference_recursion(runs, config, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("config,mode", [("z2", "stochastic"), ("z3", "stochastic"), ("z2", "error_feedback"), ("z3", "error_feedback")])
+@pytest.mark.parametrize("config,mode", [(c, m) for m in ("stochastic", "error_feedback", "ema") for c in ("z2", "z3")])
 def test_checkpoint_resume_reproduces_the_served_copies(runs, config, mode, world):
     """Save after step 3, resume in a fresh engine (Fair Cast attached after the load, as OpenRLHF does)."""
     for rank in range(world):
@@ -147,7 +150,7 @@ def test_audit_metrics_are_reported(runs):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+@pytest.mark.parametrize("mode", ["stochastic", "error_feedback", "ema"])
 def test_weights_right_after_resume(runs, mode, world):
     """What a resume broadcast sends is the Fair Cast copy of the saved version. ZeRO-2 restores the saved bits;
     ZeRO-3 re-derives bf16 from the masters on load (round-to-nearest), which the patch casts again."""
@@ -155,3 +158,45 @@ def test_weights_right_after_resume(runs, mode, world):
         for rank in range(world):
             rec = runs[(config, mode, world, rank)]
             assert_same_bits(rec["resumed_initial"], rec["served"][2], f"{config} {mode} world {world} rank {rank} after resume")
+
+
+def expected_ema(rec: dict) -> list:
+    """A single-process FairCaster with the same EMA, run on the full masters: the served copy after each step.
+
+    The EMA starts at the master of version 0, which is exactly the initial bf16 weights (DeepSpeed builds its
+    fp32 masters from them)."""
+    ref = FairCaster(FairCastConfig(enabled=True, mode="stochastic", seed=ds_worker.SEED, ema_decay=ds_worker.EMA_DECAY))
+    ref.cast_many({n: w.float() for n, w in rec["initial"].items()})  # version 0: the EMA starts at the master
+    out = []
+    for masters in rec["masters"]:
+        ref.advance(masters)
+        out.append({n: ref.cast(n, m.contiguous()) for n, m in masters.items()})
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("config", EMA_CONFIGS)
+def test_ema_serves_fair_cast_of_the_ema_of_the_master(runs, config, world):
+    """ema_decay: each rank keeps the EMA of its own partition; the served copy equals fair_cast(EMA of the full
+    master) of the reference, bit for bit, on every rank after every step. Negative control: that is not
+    fair_cast(master), which ema_decay=0 serves."""
+    for rank in range(world):
+        rec = runs[(config, "ema", world, rank)]
+        assert rec["versions"] == list(range(1, ds_worker.STEPS + 1))
+        want = expected_ema(rec)
+        for step, (served, expected) in enumerate(zip(rec["served"], want), start=1):
+            assert_same_bits(served, expected, f"EMA {config} world {world} rank {rank} step {step}")
+        differs = [sum(int((bits(s[n]) != bits(e[n])).sum()) for n in s)
+                   for s, e in zip(rec["served"], (expected_sr(m, v) for v, m in enumerate(rec["masters"], start=1)))]
+        assert all(d > 0 for d in differs), f"the EMA copy should differ from fair_cast(master): {differs}"
+        # The master is still what the optimizer trains: it moved, and the served copy follows its EMA.
+        assert any(not torch.equal(m, rec["masters"][0][n]) for n, m in rec["masters"][-1].items())
+        changed = sum(int((bits(rec["served"][-1][n]) != bits(rec["initial"][n])).sum()) for n in rec["initial"])
+        assert changed > 0
+
+
+def test_ema_run_reports_the_audit_metrics(runs):
+    metrics = runs[("z3", "ema", 2, 1)]["metrics"]
+    assert [m["faircast/version"] for m in metrics] == [float(v) for v in range(1, ds_worker.STEPS + 1)]
+    for key in ("faircast/served_changed_frac", "faircast/master_moved_frac", "faircast/lag_steps"):
+        assert key in metrics[-1], metrics[-1]

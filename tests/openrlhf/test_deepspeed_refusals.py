@@ -63,11 +63,27 @@ def test_bf16_master_weights_is_refused(deepspeed_world1):
         apply_deepspeed_patch(engine, _caster())
 
 
-def test_ema_decay_is_refused(deepspeed_world1):
+def test_ema_cannot_start_in_the_middle_of_a_run(deepspeed_world1):
+    """The EMA starts at version 0 (from the fresh engine's weights) or comes from a checkpoint; not from nowhere."""
     from faircast_plugins.deepspeed import apply_deepspeed_patch
 
-    with pytest.raises(FairCastPatchError, match="ema_decay is not supported by the DeepSpeed patch"):
-        apply_deepspeed_patch(_engine(deepspeed_world1), _caster(ema_decay=0.9))
+    engine = _engine(deepspeed_world1)
+    apply_deepspeed_patch(engine, FairCaster(FairCastConfig(enabled=True, seed=1, ema_decay=0.9), version=5))
+    with pytest.raises(FairCastPatchError, match="no EMA state for .* at weight version 6"):
+        ds_worker.train_step(engine, ds_worker.batch())
+
+
+def test_ema_resume_needs_the_fair_cast_state(deepspeed_world1, tmp_path):
+    """Resuming with ema_decay from a checkpoint written without Fair Cast would serve an EMA that never was."""
+    from faircast_plugins.deepspeed import apply_deepspeed_patch
+
+    plain = _engine(deepspeed_world1)
+    ds_worker.train_step(plain, ds_worker.batch())
+    plain.save_checkpoint(str(tmp_path), tag="t")
+    resumed = _engine(deepspeed_world1)
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    with pytest.raises(FairCastPatchError, match=r"ema_decay=0.9 \(EMA of the master\) needs this rank's Fair Cast state"):
+        apply_deepspeed_patch(resumed, _caster(ema_decay=0.9))
 
 
 def test_disabled_config_leaves_the_engine_alone(deepspeed_world1):

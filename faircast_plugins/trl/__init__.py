@@ -1,4 +1,4 @@
-"""Fair Cast for TRL 1.16: ``faircast: true`` in GRPO, RLOO and Online DPO configs.
+"""Fair Cast for TRL 1.16: ``faircast: true`` in GRPO, RLOO, Online DPO and AsyncGRPO configs.
 
     import faircast_plugins.trl            # patches TRL on import (same as faircast_plugins.trl.patch())
     from trl import GRPOConfig, GRPOTrainer

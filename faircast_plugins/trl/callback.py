@@ -17,6 +17,12 @@ masters live in DeepSpeed's optimizer, so ``on_train_begin`` attaches the shared
 advances the weight version at each optimizer step and writes ``fair_cast(master)`` into the bf16 weights, and it
 saves/restores per-rank Fair Cast state in DeepSpeed's checkpoint folder.
 
+Under FSDP2 (bf16 mixed precision) nothing is swapped either: the sharded fp32 parameters are the masters, and
+``on_train_begin`` registers the wrapped policy with the shared FSDP cast patches (:mod:`faircast_plugins.fsdp`),
+so FSDP's own bf16 cast of each shard at every all-gather -- the weights generation, old log-probs and the loss
+run on -- is ``fair_cast(master)`` at the current version; the version advances after each optimizer step, and the
+vLLM export casts the gathered full masters to the same bits.
+
 With only ``faircast_audit`` on, nothing is swapped: the callback measures how far the round-to-nearest copy that
 vLLM serves trails the master, and TRL's logs get the same ``faircast/*`` metrics.
 """
@@ -31,6 +37,8 @@ from typing import Dict, Optional
 import torch
 from transformers import TrainerCallback
 
+from ..audit import finalize
+from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..export import STATE_FILE, save_state
@@ -52,16 +60,23 @@ class FairCastCallback(TrainerCallback):
         self.masters: Dict[str, torch.Tensor] = {}
         self.resume_dir: Optional[str] = None
         self.deepspeed = None  # the attached DeepSpeedFairCast under DeepSpeed
+        self.fsdp_names: Dict[str, str] = {}  # under FSDP (Fair Cast on): registered name -> canonical cast name
+        self._cumulative = {"dev_along": 0.0, "abs_update": 0.0}  # FSDP audit, summed over ranks
 
     @property
     def on_deepspeed(self) -> bool:
         return bool(getattr(self.trainer, "is_deepspeed_enabled", False))
 
     @property
+    def on_fsdp(self) -> bool:
+        return bool(getattr(self.trainer, "is_fsdp_enabled", False))
+
+    @property
     def shadow(self) -> bool:
-        """True when fp32 parameters hold the served copy (Fair Cast on, no DeepSpeed); False for an audit-only run
-        and under DeepSpeed (where the bf16 parameters are the served copy)."""
-        return self.config.enabled and not self.on_deepspeed
+        """True when fp32 parameters hold the served copy (Fair Cast on, no DeepSpeed or FSDP); False for an
+        audit-only run, under DeepSpeed (the bf16 parameters are the served copy) and under FSDP (FSDP's bf16 cast
+        of the fp32 shards is)."""
+        return self.config.enabled and not self.on_deepspeed and not self.on_fsdp
 
     # -- setup ----------------------------------------------------------------------------------------------
     def _collect(self) -> Dict[str, torch.nn.Parameter]:
@@ -100,12 +115,38 @@ class FairCastCallback(TrainerCallback):
                 f"but the trainer resumes at step {state.global_step}"
             )
 
+    def _attach_fsdp(self) -> None:
+        """Register the FSDP-wrapped policy (wrapped by now) with the shared FSDP cast patches, sharing this caster."""
+        from ..fsdp import apply_fsdp_cast_patches, register_fsdp_module
+
+        if self.config.enabled and not self.fsdp_names:
+            apply_fsdp_cast_patches()
+            self.fsdp_names = register_fsdp_module(self.trainer.model, self.caster)
+
+    def _fsdp_shards(self):
+        """``(name, local fp32 shard, global offset)`` of every trainable FSDP2 parameter on this rank."""
+        from ..fsdp import shard_offset
+
+        for n, p in self.trainer.model.named_parameters():
+            if p.requires_grad and hasattr(p, "to_local"):
+                name = canonical_name(n)
+                offset, _ = shard_offset(name, p)
+                yield name, p.to_local().detach(), offset
+
+    def _observe_fsdp(self) -> None:
+        """Audit under FSDP: cast this rank's shards once per version (the same bits as FSDP's own cast: Fair Cast,
+        or round-to-nearest when off), so the audit sees every version even if no forward runs."""
+        if self.caster.audit is not None:
+            for name, local, offset in self._fsdp_shards():
+                self.caster.cast(name, local, offset=offset)
+
     def on_train_begin(self, args, state, control, **kwargs):
         if self.on_deepspeed:
             self._attach_deepspeed(state)
             self.resume_dir = None
             return
-        self.params = self._collect()
+        if not self.on_fsdp:
+            self.params = self._collect()
         restored = self._load_state(self.resume_dir) if self.resume_dir else False
         if not restored:
             if state.global_step and self.config.enabled and self.resume_dir:
@@ -120,6 +161,12 @@ class FairCastCallback(TrainerCallback):
                 f"Fair Cast state in {self.resume_dir} is at weight version {self.caster.version} but the trainer "
                 f"resumes at step {state.global_step}"
             )
+        if self.on_fsdp:
+            self._attach_fsdp()
+            with torch.no_grad():
+                self._observe_fsdp()
+            self.resume_dir = None
+            return
         with torch.no_grad():
             if self.shadow and (restored or self.resume_dir or not self.masters):
                 self.masters = {n: p.detach().clone() for n, p in self.params.items()}
@@ -145,6 +192,11 @@ class FairCastCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.on_deepspeed:
             return  # the DeepSpeed patch advanced the version and cast inside the engine's step
+        if self.on_fsdp:  # FSDP casts the stepped shards at the next all-gather, at the new version
+            self.caster.advance()
+            with torch.no_grad():
+                self._observe_fsdp()
+            return
         with torch.no_grad():
             if self.shadow:
                 for n, p in self.params.items():
@@ -172,8 +224,34 @@ class FairCastCallback(TrainerCallback):
 
     # -- metrics --------------------------------------------------------------------------------------------
     def metrics(self) -> Dict[str, float]:
-        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``)."""
-        return self.caster.metrics()
+        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``).
+
+        Under FSDP each rank audits its own shards, so the sums are all-reduced: a collective, and every rank calls
+        ``Trainer.log``."""
+        audit = self.caster.audit
+        if not (self.on_fsdp and audit is not None and torch.distributed.is_initialized()):
+            return self.caster.metrics()
+        totals = audit.totals()
+        keys = sorted(totals)
+        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.trainer.accelerator.device)
+        torch.distributed.all_reduce(summed)
+        totals = dict(zip(keys, summed.cpu().tolist()))
+        out = {"faircast/version": float(self.caster.version), **finalize(totals)}
+        self._cumulative["dev_along"] += totals.get("dev_along", 0.0)
+        self._cumulative["abs_update"] += totals.get("abs_update", 0.0)
+        if self._cumulative["abs_update"]:
+            out["faircast/bias_rel_cumulative"] = abs(self._cumulative["dev_along"]) / self._cumulative["abs_update"]
+        return out
+
+    def export_cast(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Under FSDP: the served bf16 copy of a gathered full master for the rollout engine (the same bits FSDP's
+        cast gives each shard). Unregistered tensors (frozen parameters) pass unchanged, i.e. round to nearest in
+        the engine, as FSDP's stock cast does. Unaudited: the audit follows the shards."""
+        cast_name = self.fsdp_names.get(canonical_name(name))
+        if cast_name is None or tensor.dtype != torch.float32:
+            return tensor
+        return fair_cast(tensor.detach().contiguous(), key=self.caster.key(cast_name), mode=self.caster.mode,
+                         backend=self.config.backend)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:
@@ -222,6 +300,8 @@ class FairCastCallback(TrainerCallback):
             json.dump(info, f, indent=2)
 
     def _saved_weights(self) -> str:
+        if self.on_fsdp:
+            return "fp32 masters (FSDP)" if self.config.enabled else "fp32 weights (Fair Cast off)"
         if self.on_deepspeed:
             return ("bf16 served copy (DeepSpeed's module weights; ZeRO-3 writes them only with "
                     "stage3_gather_16bit_weights_on_model_save; fp32 masters and per-rank Fair Cast state are in the "

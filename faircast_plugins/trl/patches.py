@@ -5,17 +5,20 @@ refuses any TRL outside :data:`SUPPORTED`.
 
 * ``GRPOTrainer`` / ``RLOOTrainer`` / ``OnlineDPOTrainer.__init__``: refuse unsupported combinations, then add
   the :class:`FairCastCallback` when ``faircast`` or ``faircast_audit`` is set.
-* ``AsyncGRPOTrainer.__init__``: refuses ``faircast``/``faircast_audit`` (FSDP2 + vLLM server only: not wired yet).
-* ``VLLMGeneration._iter_named_params`` (GRPO, RLOO; colocate and server): yield the served copy as bf16, so
-  vLLM's ``load_weights`` copies it bit for bit and server mode streams half the bytes. Under DeepSpeed the bf16
-  parameters already are the served copy and pass through untouched.
+* ``AsyncGRPOTrainer.__init__``: the same, with the callback first in line (the cold weight sync at train begin
+  sends the served copy), and the weight manifest it announces to the vLLM server rewritten to bf16.
+* ``VLLMGeneration._iter_named_params`` (GRPO, RLOO; colocate and server) and ``AsyncGRPOTrainer._streaming_iter``:
+  yield the served copy as bf16, so vLLM's ``load_weights`` copies it bit for bit and server mode streams half the
+  bytes. Under DeepSpeed the bf16 parameters already are the served copy and pass through untouched; under FSDP2
+  the gathered full fp32 masters are cast to the bits FSDP's patched cast gives their shards.
 * ``Trainer.save_model``: write the fp32 masters (not the served copy; under DeepSpeed, DeepSpeed's own weights) and ``faircast_state.pt`` +
   ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
 
 DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
-``trainer.deepspeed`` at the start of training instead of keeping shadow masters.
+``trainer.deepspeed`` at the start of training instead of keeping shadow masters. FSDP2 (bf16): it registers the
+wrapped policy with :mod:`faircast_plugins.fsdp` instead.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ TRAINERS = {
     "OnlineDPOTrainer": "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer.__init__",
 }
 ASYNC_GRPO = "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.__init__"
+ASYNC_EXPORT = "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._streaming_iter"
 VLLM_EXPORT = "trl.generation.vllm_generation:VLLMGeneration._iter_named_params"
 SAVE_MODEL = "transformers.trainer:Trainer.save_model"
 LOAD_CHECKPOINT = "transformers.trainer:Trainer._load_from_checkpoint"
@@ -76,10 +80,8 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
     if getattr(args, "deepspeed", None):
         _check_deepspeed_args(trainer_name, args)
     if getattr(args, "fsdp", None):
-        raise FairCastUnsupportedError(
-            "Fair Cast with FSDP in TRL is not supported yet (the FSDP cast-site patches have not been wired and "
-            "run with TRL). Run without FSDP, or without faircast."
-        )
+        plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
+        _check_fsdp(trainer_name, args, plugin_args.get("fsdp_version", 2), "bf16" if args.bf16 else "no")
 
 
 def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
@@ -92,14 +94,43 @@ def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
         )
 
 
+def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: Any) -> None:
+    """FSDP runs go through the shared FSDP cast patches: FSDP2 with a bf16 compute copy, stateless modes only."""
+    if trainer_name == "OnlineDPOTrainer":
+        raise FairCastUnsupportedError(
+            "Fair Cast with FSDP in OnlineDPOTrainer is refused: its own FSDP weight push to vLLM is not wired. "
+            "Run it without FSDP, or use GRPOTrainer/RLOOTrainer."
+        )
+    if fsdp_version != 2:
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP{fsdp_version} in {trainer_name} is refused: only FSDP2 (fsdp_config version 2, "
+            f"the default) is supported. Under FSDP1, TRL generates without vLLM inside summon_full_params, which "
+            f"hands the root unit's fp32 masters to the forward outside FSDP's cast."
+        )
+    if str(param_dtype) not in ("bf16", "torch.bfloat16"):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP in {trainer_name} needs bf16 mixed precision (bf16=True, the TRL default): FSDP's "
+            f"bf16 cast of the fp32 shards is where the served copy is made; got {param_dtype}."
+        )
+    cfg = faircast_config(args)
+    if cfg is not None and cfg.enabled and (cfg.mode == "error_feedback" or cfg.ema_decay):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP in {trainer_name} supports faircast_mode stochastic or nearest without "
+            f"faircast_ema_decay: an error-feedback residual or an EMA would be per-rank shard state that the "
+            f"full-tensor vLLM export cannot reproduce."
+        )
+
+
 def _check_trainer(trainer_name: str, trainer: Any) -> None:
     """Refusals that need the built trainer (accelerate plugins from the environment, PEFT, dtypes)."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         _check_deepspeed_args(trainer_name, trainer.args)
         # Installed now so that a DeepSpeed resume (before on_train_begin) is remembered for the callback.
         install_deepspeed_patch()
-    if getattr(trainer, "is_fsdp_enabled", False):
-        raise FairCastUnsupportedError(f"Fair Cast with FSDP in {trainer_name} is not supported yet.")
+    if getattr(trainer, "is_fsdp_enabled", False):  # also when accelerate's environment turned FSDP on
+        plugin = trainer.accelerator.state.fsdp_plugin
+        policy = getattr(plugin, "mixed_precision_policy", None)
+        _check_fsdp(trainer_name, trainer.args, plugin.fsdp_version, getattr(policy, "param_dtype", None))
     model = trainer.accelerator.unwrap_model(trainer.model)
     if hasattr(model, "peft_config"):
         raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
@@ -132,33 +163,77 @@ def _trainer_init(trainer_name: str):
 
 
 def _async_grpo_init(original):
+    init = _trainer_init("AsyncGRPOTrainer")(original)
+
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        bound = _bound(original, self, args, kwargs)
-        cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
-        if cfg is not None and cfg.active:
-            raise FairCastUnsupportedError(
-                "Fair Cast for AsyncGRPOTrainer is not supported yet: its weight manifest is frozen as fp32 at "
-                "construction and it runs only with FSDP2 and a vLLM server, which this adapter has not wired. "
-                "Use GRPOTrainer, or drop faircast/faircast_audit."
-            )
-        original(self, *args, **kwargs)
+        init(self, *args, **kwargs)
+        callback = find_callback(self)
+        if callback is None:
+            return
+        # First in line: the cold weight sync at train begin (_TrainBeginCallback) must already send the served copy.
+        self.callback_handler.callbacks.remove(callback)
+        self.callback_handler.callbacks.insert(0, callback)
+        if callback.config.enabled:
+            _bf16_manifest(self)
 
     return __init__
+
+
+def _bf16_manifest(trainer) -> None:
+    """AsyncGRPO announces every tensor's dtype to the vLLM server once, at construction; the stream is bf16 now."""
+    from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
+
+    client = getattr(trainer, "weight_transfer", None)
+    if not isinstance(client, WeightTransferClient):
+        return  # another rank (no client), or an injected transfer backend that reads the stream's own dtypes
+    info = getattr(client, "_weight_update_info", None)
+    if not isinstance(info, dict) or not isinstance(info.get("dtype_names"), list):
+        raise FairCastPatchError(
+            "Fair Cast could not find AsyncGRPO's weight manifest (WeightTransferClient._weight_update_info"
+            "['dtype_names']) in this TRL; the bf16 stream would not match the announced fp32 dtypes."
+        )
+    info["dtype_names"] = ["bfloat16" if d == "float32" else d for d in info["dtype_names"]]
+
+
+def _served_stream(callback, stream):
+    """The ``(name, tensor)`` stream a rollout engine receives, as the served bf16 copy."""
+    if callback.on_fsdp:  # full fp32 masters, gathered one at a time: cast like FSDP casts the shards
+        for name, tensor in stream:
+            yield name, callback.export_cast(name, tensor)
+        return
+    for name, tensor in stream:
+        # The parameter holds fair_cast(master) at the current version: this cast is exact.
+        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+
+
+def _serves(callback) -> bool:
+    """Whether the export must be cast: Fair Cast on, and not DeepSpeed (whose bf16 parameters are the copy)."""
+    return callback is not None and (callback.shadow or (callback.on_fsdp and callback.config.enabled))
 
 
 def _vllm_export(original):
     @functools.wraps(original)
     def _iter_named_params(self, *args, **kwargs):
         callback = getattr(self, "_faircast", None)
-        if callback is None or not callback.shadow:
+        if not _serves(callback):
             yield from original(self, *args, **kwargs)
             return
-        for name, tensor in original(self, *args, **kwargs):
-            # The parameter holds fair_cast(master) at the current version: this cast is exact.
-            yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+        yield from _served_stream(callback, original(self, *args, **kwargs))
 
     return _iter_named_params
+
+
+def _async_export(original):
+    @functools.wraps(original)
+    def _streaming_iter(self, *args, **kwargs):
+        callback = find_callback(self)
+        if not _serves(callback):
+            yield from original(self, *args, **kwargs)
+            return
+        yield from _served_stream(callback, original(self, *args, **kwargs))
+
+    return _streaming_iter
 
 
 def _save_model(original):
@@ -203,6 +278,7 @@ def build_patch_set() -> PatchSet:
     for name, target in TRAINERS.items():
         patches.wrap(target, _trainer_init(name))
     patches.wrap(ASYNC_GRPO, _async_grpo_init)
+    patches.wrap(ASYNC_EXPORT, _async_export)
     patches.wrap(VLLM_EXPORT, _vllm_export)
     patches.wrap(SAVE_MODEL, _save_model)
     patches.wrap(LOAD_CHECKPOINT, _load_from_checkpoint)

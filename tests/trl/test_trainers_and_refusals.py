@@ -69,12 +69,6 @@ def test_continuous_batching_is_refused(tiny_model_dir, prompts_dataset, tmp_pat
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 
-def test_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    args = grpo_args(tmp_path, faircast=True, fsdp=True)
-    with pytest.raises(FairCastUnsupportedError, match="FSDP"):
-        grpo_trainer(tiny_model_dir, prompts_dataset, args)
-
-
 def test_deepspeed_without_bf16_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
     args = grpo_args(tmp_path, faircast=True, bf16=False)
     args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: no DeepSpeed engine is built here
@@ -95,15 +89,6 @@ def test_peft_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
     plain = GRPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=grpo_args(tmp_path),
                         train_dataset=prompts_dataset, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
     assert not hasattr(plain, "_faircast")
-
-
-def test_async_grpo_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", faircast=True)
-    assert args.faircast is True  # the config accepts the flag ...
-    with pytest.raises(FairCastUnsupportedError, match="AsyncGRPOTrainer is not supported yet"):
-        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset)
 
 
 def test_patch_is_idempotent_and_removable():

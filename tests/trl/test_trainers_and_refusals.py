@@ -1,4 +1,5 @@
-"""RLOO and Online DPO smoke runs with Fair Cast (and negative controls), and every refused combination."""
+"""RLOO and Online DPO smoke runs with Fair Cast (and negative controls), and refused combinations (continuous
+batching: test_continuous_batching.py; FSDP: test_fsdp.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -61,12 +62,6 @@ def test_online_dpo_bf16_policy_is_refused(tiny_model_dir, prompts_dataset, tmp_
     # OnlineDPO loads with dtype="auto": this bf16 checkpoint gives bf16 params, i.e. no fp32 master
     with pytest.raises(TypeError, match="Fair Cast needs fp32 master weights"):
         online_dpo(tiny_model_dir, prompts_dataset, tmp_path, faircast=True)
-
-
-def test_continuous_batching_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
-    args = grpo_args(tmp_path, faircast=True, use_transformers_continuous_batching=True)
-    with pytest.raises(FairCastUnsupportedError, match="continuous_batching"):
-        grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 
 def test_deepspeed_without_bf16_is_refused(tiny_model_dir, prompts_dataset, tmp_path):

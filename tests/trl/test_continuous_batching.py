@@ -132,10 +132,11 @@ class Watch:
     def snapshot(self) -> dict:
         params = named_params(self.trainer)
         snap = dict(version=self.trainer.state.global_step, dtypes={p.dtype for p in params.values()},
+                    fp32_names={n for n, p in params.items() if p.dtype == torch.float32},
                     buffer_dtypes={b.dtype for b in self.model.buffers()})
         if self.faircast:
             want = self.expected()
-            snap["mismatches"] = [n for n, p in params.items() if not torch.equal(p.detach(), want[n])]
+            snap["mismatches"] = [n for n, p in params.items() if not torch.equal(p.detach(), want[n].to(p.dtype))]
             masters = self.trainer._faircast.masters
             snap["differs_from_nearest"] = sum(not torch.equal(want[n], masters[n].to(torch.bfloat16)) for n in want)
         else:  # TRL's cast of the weights it held just before this generation
@@ -149,7 +150,8 @@ class Watch:
     def on_forward(self, module, args):
         params = named_params(self.trainer)
         record = dict(generation=self.in_generation, thread=threading.current_thread().name,
-                      grad=torch.is_grad_enabled(), dtypes={p.dtype for p in params.values()})
+                      grad=torch.is_grad_enabled(), dtypes={p.dtype for p in params.values()},
+                      fp32_names={n for n, p in params.items() if p.dtype == torch.float32})
         if self.faircast:
             want = self.expected()
             record["mismatches"] = sum(not torch.equal(p.detach(), want[n].to(p.dtype)) for n, p in params.items())
@@ -170,18 +172,23 @@ def train(build, model_dir, dataset, out, shape, **flags):
     return trainer, watch, sgd
 
 
-def check_fair_cast_run(trainer, watch, sgd, *, steps: int, generations: int, grads_at_generation: bool = False):
+def check_fair_cast_run(trainer, watch, sgd, *, steps: int, generations: int, grads_at_generation: bool = False,
+                        fp32_in_generation=frozenset()):
+    """``fp32_in_generation``: parameters TRL keeps fp32 while generating (``cast_lm_head_to_fp32``); they must
+    hold the served copy all the same."""
     fp32 = {torch.float32}
     assert trainer.state.global_step == steps and trainer._faircast.caster.version == steps
     # Part 1: generate_batch ran on bf16 weights equal to fair_cast(master) at the current version.
     assert len(watch.generations) == generations, watch.generations
     for g in watch.generations:
-        assert g["dtypes"] == {torch.bfloat16} and g["mismatches"] == [], g
+        assert g["fp32_names"] == fp32_in_generation and g["dtypes"] <= {torch.bfloat16, torch.float32}, g
+        assert torch.bfloat16 in g["dtypes"] and g["mismatches"] == [], g
     # the check above tells the copy from round-to-nearest (error feedback equals it at version 0, zero residual)
     assert sum(g["differs_from_nearest"] for g in watch.generations) > 0
     in_generation = [f for f in watch.forwards if f["generation"]]
     assert len(in_generation) >= generations  # generate_batch's forwards (on its own thread) were seen
-    assert all(f["dtypes"] == {torch.bfloat16} and f["mismatches"] == 0 for f in in_generation)
+    assert all(f["fp32_names"] == fp32_in_generation and f["dtypes"] <= {torch.bfloat16, torch.float32}
+               and torch.bfloat16 in f["dtypes"] and f["mismatches"] == 0 for f in in_generation)
     # Part 2: old log-probs and loss forwards run on fp32 parameters holding that same copy.
     others = [f for f in watch.forwards if not f["generation"]]
     assert sum(f["grad"] for f in others) >= 2 * steps
@@ -214,12 +221,14 @@ def check_trl_behaviour(trainer, watch, *, generations: int):
     assert {b.dtype for b in watch.model.buffers()} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+@pytest.mark.parametrize("mode,lm_head_fp32", [("stochastic", False), ("error_feedback", True)])
 def test_grpo_generates_on_fair_cast_of_master_and_keeps_fp32_masters(fp32_model_dir, prompts_dataset, tmp_path,
-                                                                      mode):
+                                                                      mode, lm_head_fp32):
     trainer, watch, sgd = train(grpo_trainer_for, fp32_model_dir, prompts_dataset, tmp_path / "on", GRPO_SHAPE,
-                                faircast=True, faircast_mode=mode, faircast_seed=SEED)
-    check_fair_cast_run(trainer, watch, sgd, steps=4, generations=2)
+                                faircast=True, faircast_mode=mode, faircast_seed=SEED,
+                                cast_lm_head_to_fp32=lm_head_fp32)
+    check_fair_cast_run(trainer, watch, sgd, steps=4, generations=2,
+                        fp32_in_generation={"lm_head.weight"} if lm_head_fp32 else set())
 
 
 def test_rloo_with_gradients_pending_at_generation(fp32_model_dir, prompts_dataset, tmp_path):
@@ -246,6 +255,9 @@ def test_grpo_negative_controls_flag_off_and_audit_only_keep_trl_behaviour(fp32_
     assert all(torch.equal(p_off[n], p_audit[n]) for n in p_off), "audit-only must not change training"
     logged = [h for h in audit.state.log_history if "faircast/master_moved_frac" in h]
     assert len(logged) >= 3
+    # from the first generation on, the weights TRL trains are the bf16 copy it serves: no lag between them
+    for h in logged[1:]:
+        assert h["faircast/lag_steps"] == 0 and h["faircast/served_changed_frac"] == h["faircast/master_moved_frac"], h
 
 
 def grpo_trainer_for(model_dir, dataset, out, **flags):

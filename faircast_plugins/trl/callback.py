@@ -9,7 +9,9 @@ values stored in fp32) whenever the model runs, and its fp32 master is kept asid
 
 So generation (with or without vLLM), old log-probs and the loss all see ``q``; autocast's bf16 cast of ``q`` is
 exact, and so is vLLM's ``copy_`` into its bf16 weights. Cost: +4 B/param for the masters (+4 more for an
-error-feedback residual or an EMA), two copies per optimizer step.
+error-feedback residual or an EMA), two copies per optimizer step. TRL's continuous-batching generation casts the
+policy itself to bf16 and never back; :meth:`FairCastCallback.bf16_generation` hands it bf16 copies of the
+parameters (exact for ``q``) instead, and puts the buffers back afterwards.
 
 Under DeepSpeed (bf16) nothing is swapped either: the module's bf16 parameters are the served copy and the fp32
 masters live in DeepSpeed's optimizer, so ``on_train_begin`` attaches the shared DeepSpeed copy-back patch
@@ -213,50 +215,43 @@ class FairCastCallback(TrainerCallback):
             self._serve()
 
     @contextmanager
-    def undo_inplace_cast(self):
+    def bf16_generation(self):
         """Around TRL's continuous-batching generation, which casts the policy to bf16 in place and never back.
 
-        Inside, TRL's ``unwrapped_model.to(torch.bfloat16)`` turns each parameter holding ``q = fair_cast(master)``
-        into ``q`` as bf16, exactly (``q`` is bf16-representable), so ``generate_batch`` runs on the served copy
-        bit for bit. Afterwards the policy is back as it was: every parameter fp32 again (widening is exact, so it
-        holds ``q``), the same ``Parameter`` objects the optimizer steps, and every floating buffer (e.g. rotary
-        ``inv_freq``) the tensor it held before. Gradients accumulated so far are set aside while generating, so
-        the cast never touches them. Under DeepSpeed (bf16 parameters: already the served copy) only the buffers
-        need restoring; there the cast leaves the parameters as they are.
+        With shadow masters, each fp32 parameter (holding ``q = fair_cast(master)``) is swapped out of its module for
+        the generation, and a bf16 ``Parameter`` with the same values (exact: ``q`` is bf16-representable) takes
+        its place, so TRL's ``unwrapped_model.to(torch.bfloat16)`` finds the parameters bf16 already and
+        ``generate_batch`` runs on the served copy bit for bit. Afterwards the original parameters go back. They
+        never change dtype: the optimizer, their pending gradients and DDP's gradient hooks (tied to each
+        parameter's gradient accumulator, which a dtype change would replace) are untouched. Every floating buffer
+        (e.g. rotary ``inv_freq``), which TRL's cast does replace, is put back to the tensor it held before.
+
+        Under DeepSpeed (bf16 parameters: already the served copy; TRL's cast leaves them as they are) only the
+        buffers are put back.
         """
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         buffers = [(module, name, buf) for module in model.modules()
                    for name, buf in module.named_buffers(recurse=False) if buf.is_floating_point()]
-        params = {n: (p, p.dtype) for n, p in model.named_parameters()}
-        grads = {}
+        swapped = []
         if self.shadow:
-            for n, p in self.params.items():
-                if p.grad is not None:
-                    grads[n], p.grad = p.grad, None
+            copies: Dict[int, torch.nn.Parameter] = {}  # one copy per parameter, so tied weights stay tied
+            with torch.no_grad():
+                for module in model.modules():
+                    for name, p in list(module.named_parameters(recurse=False)):
+                        if not p.is_floating_point():
+                            continue
+                        if id(p) not in copies:
+                            copies[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16),
+                                                               requires_grad=p.requires_grad)
+                        module.register_parameter(name, copies[id(p)])
+                        swapped.append((module, name, p))
         try:
             yield
         finally:
-            with torch.no_grad():
-                after = dict(model.named_parameters())
-                replaced = sorted(n for n, (p, _) in params.items() if after.get(n) is not p)
-                if replaced:
-                    raise RuntimeError(
-                        f"Fair Cast: generation replaced {len(replaced)} parameter object(s) of the policy (e.g. "
-                        f"{replaced[0]}), so the optimizer no longer steps the model's weights. Is "
-                        f"torch.__future__.set_overwrite_module_params_on_conversion(True) set?"
-                    )
-                for n, (p, dtype) in params.items():
-                    if p.dtype != dtype:
-                        if not (self.shadow and dtype == torch.float32 and p.dtype == torch.bfloat16):
-                            raise RuntimeError(
-                                f"Fair Cast: generation cast {n} from {dtype} to {p.dtype}; only the exact bf16 "
-                                f"cast of the served copy can be undone"
-                            )
-                        p.data = p.data.float()  # exact: it held q = fair_cast(master)
-                for n, g in grads.items():
-                    self.params[n].grad = g
-                for module, name, buf in buffers:
-                    setattr(module, name, buf)
+            for module, name, p in swapped:
+                module.register_parameter(name, p)
+            for module, name, buf in buffers:
+                setattr(module, name, buf)
 
     @contextmanager
     def masters_in_params(self):

@@ -13,8 +13,9 @@ refuses any TRL outside :data:`SUPPORTED`.
   the gathered full fp32 masters are cast to the bits FSDP's patched cast gives their shards.
 * ``GRPOTrainer`` / ``RLOOTrainer._generate_single_turn``: with Fair Cast on and
   ``use_transformers_continuous_batching`` (no vLLM), TRL casts the policy to bf16 in place for ``generate_batch``
-  and never back; the wrapper lets that cast happen (exact: the parameters hold the served copy) and then puts
-  the policy back as it was (:meth:`FairCastCallback.undo_inplace_cast`). Off or audit-only: TRL's own behaviour.
+  and never back; the wrapper generates on bf16 copies of the parameters (exact: they hold the served copy) and
+  leaves the fp32 parameters and the buffers as they were (:meth:`FairCastCallback.bf16_generation`). Off or
+  audit-only: TRL's own behaviour.
 * ``Trainer.save_model``: write the fp32 masters (not the served copy; under DeepSpeed, DeepSpeed's own weights) and ``faircast_state.pt`` +
   ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
@@ -238,7 +239,7 @@ def _generate_in_place(original):
         callback = find_callback(self)
         if callback is None or not callback.config.enabled or not _generates_in_place(self.args):
             return original(self, *args, **kwargs)  # TRL's own behaviour (audit-only included)
-        with callback.undo_inplace_cast():
+        with callback.bf16_generation():
             return original(self, *args, **kwargs)
 
     return _generate_single_turn

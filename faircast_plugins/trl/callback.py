@@ -166,7 +166,9 @@ class FairCastCallback(TrainerCallback):
             self._attach_deepspeed(state)
             self.resume_dir = None
             return
-        if not self.on_fsdp:
+        if self.on_fsdp:
+            self._attach_fsdp()  # first: a per-rank state restore checks this rank's registered shards
+        else:
             self.params = self._collect()
         restored = self._load_state(self.resume_dir) if self.resume_dir else False
         if not restored:
@@ -183,7 +185,6 @@ class FairCastCallback(TrainerCallback):
                 f"resumes at step {state.global_step}"
             )
         if self.on_fsdp:
-            self._attach_fsdp()
             with torch.no_grad():
                 self._cast_fsdp_shards()
             self.resume_dir = None
@@ -302,8 +303,8 @@ class FairCastCallback(TrainerCallback):
         the record at those files once the Trainer has written them.
 
         Under FSDP with error feedback or an EMA every rank writes its own state (the residuals / EMA of its shards) as
-        ``faircast_state_rankNNNNN.pt``, and the record names them and the world size; there is no single
-        ``faircast_state.pt`` then (``faircast export`` of such a checkpoint is not supported).
+        ``faircast_state_rankNNNNN.pt`` (with each shard's offset), and the record names them and the world size;
+        ``faircast export`` merges them (:func:`faircast_plugins.export.merge_rank_states`).
 
         Called on every rank (``Trainer.save_model`` runs on every rank); only the main process writes shared files."""
         if self.stateful:
@@ -378,11 +379,20 @@ class FairCastCallback(TrainerCallback):
             return "faircast_mode=error_feedback (its residuals)"
         return f"faircast_ema_decay={self.config.ema_decay} (the EMA of the master)"
 
+    def _shard_layout(self) -> Dict[str, list]:
+        """``{name: [global offset, numel, full shape]}`` of this rank's registered shards."""
+        from ..fsdp import registered_shards
+
+        shapes = {canonical_name(n): list(p.shape) for n, p in self.trainer.model.named_parameters()}
+        return {n: [offset, master.numel(), shapes[n]]
+                for n, (offset, master) in registered_shards(self.trainer.model).items()}
+
     def _save_rank_state(self, output_dir: str) -> str:
         rank, world = self._world()
         os.makedirs(output_dir, exist_ok=True)
         state = _to_cpu(self.caster.state_dict())
-        state["fsdp"] = {"rank": rank, "world_size": world}
+        # the shard layout: resume checks it, and `faircast export` merges the ranks' files with it
+        state["fsdp"] = {"rank": rank, "world_size": world, "shards": self._shard_layout()}
         path = os.path.join(output_dir, RANK_STATE_FILE.format(rank=rank))
         torch.save(state, path)
         return path
@@ -411,6 +421,12 @@ class FairCastCallback(TrainerCallback):
                 f"resuming from {directory} with {what} under FSDP needs this rank's Fair Cast state, but {path} does "
                 f"not exist (a checkpoint written without Fair Cast, with another mode, or by a plugin version that did "
                 f"not save it); starting the state fresh would not reproduce the run."
+            )
+        saved_layout = state.get("fsdp", {}).get("shards")
+        if saved_layout is not None and saved_layout != self._shard_layout():
+            raise FairCastPatchError(
+                f"resuming from {directory} with {what} under FSDP: rank {rank}'s shards are laid out differently from "
+                f"when {path} was written (another FSDP wrapping or mesh); the per-shard state cannot be reused."
             )
         self.caster.load_state_dict(state)
         logger.warning("Fair Cast: rank %d restored its state (weight version %d) from %s", rank, self.caster.version,

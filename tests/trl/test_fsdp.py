@@ -13,6 +13,7 @@ reference that replays the gathered full masters (see the second half of this fi
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 import subprocess
@@ -289,6 +290,14 @@ def test_fsdp2_resume_serves_bit_identical_copies(stateful_runs, mode):
         assert info["state"] == "faircast_state_rank*.pt" and info["world_size"] == 2
         assert sorted(p.name for p in ckpt.glob("faircast_state*")) == [
             "faircast_state_rank00000.pt", "faircast_state_rank00001.pt"]
+        section = "error_feedback" if mode == "error_feedback" else "ema"
+        for r in (0, 1):  # each rank holds the state of its own shards only
+            rank_state = torch.load(ckpt / f"faircast_state_rank0000{r}.pt", weights_only=True)
+            assert rank_state["fsdp"]["world_size"] == 2 and rank_state[section]
+            for name, entry in rank_state[section].items():
+                t = entry["residual"] if section == "error_feedback" else entry
+                offset, numel, shape = rank_state["fsdp"]["shards"][name]
+                assert t.numel() == numel < math.prod(shape), name
     for a, b in zip(straight, resumed):
         assert b["steps"] == 4 and b["version"] == 4 and b["inconsistent"] == []
         assert sorted(b["served"]) == [2, 3]
@@ -303,6 +312,34 @@ def test_fsdp2_resume_serves_bit_identical_copies(stateful_runs, mode):
         assert sorted(b[version]) == sorted(a[version])
         assert all(torch.equal(b[version][n], t) for n, t in a[version].items()), version
     assert any(not torch.equal(a[4][n], a[2][n]) for n in a[2])  # the copies moved: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_checkpoint_exports_the_served_copy(stateful_runs, mode, tmp_path):
+    """``faircast export`` of the step-2 checkpoint (FSDP's full fp32 state dict + the Fair Cast state; error feedback
+    and EMA: the two per-rank files, merged) rebuilds the bf16 copy every forward of version 2 ran on, bit for bit.
+    Negative control: one rank's file alone is refused."""
+    from safetensors.torch import load_file
+
+    from faircast_plugins.export import ExportError, export_served
+    from faircast_plugins.key import canonical_name
+
+    run = stateful_runs[f"{mode}:save"][0]
+    ckpt = Path(run["output_dir"]) / "checkpoint-2"
+    state = ckpt / ("faircast_state.pt" if mode == "stochastic" else "faircast_state_rank*.pt")
+    export_served(ckpt, tmp_path / "served", state=str(state))
+    served = {canonical_name(n): t for n, t in load_file(tmp_path / "served" / "model.safetensors").items()}
+    assert sorted(served) == sorted(run["served"][2]) == sorted(run["masters"][2])
+    assert all(torch.equal(served[n], t) for n, t in run["served"][2].items())
+    if mode != "stochastic":
+        # the CLI without --state/--seed/--version finds the per-rank files through faircast.json
+        from faircast_plugins.cli import main
+
+        assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "cli"), "--quiet"]) == 0
+        cli = {canonical_name(n): t for n, t in load_file(tmp_path / "cli" / "model.safetensors").items()}
+        assert all(torch.equal(cli[n], t) for n, t in served.items())
+        with pytest.raises(ExportError, match="world size"):
+            export_served(ckpt, tmp_path / "one-rank", state=str(ckpt / "faircast_state_rank*0.pt"))  # rank 0
 
 
 def test_fsdp2_flag_off_holds_round_to_nearest(stateful_runs):

@@ -626,8 +626,8 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--mode", choices=("stochastic", "nearest", "error_feedback"),
                         help="cast mode of the run (default: the state's, else stochastic)")
     parser.add_argument("--state", help=f"Fair Cast state file ({STATE_FILE}); required for error_feedback and EMA runs. "
-                                        f"Used by default when --seed/--version are omitted and the checkpoint has one. "
-                                        f"A pattern with '*' (quoted) merges per-rank FSDP states "
+                                        f"Used by default when --seed/--version are omitted and the checkpoint has "
+                                        f"one. A pattern with '*' (quoted) merges per-rank FSDP states "
                                         f"(faircast_state_rank*.pt, named in faircast.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--device", default="cpu", help="where to cast each tensor (cpu, cuda); same bits anywhere")

@@ -419,8 +419,8 @@ class FairCastCallback(TrainerCallback):
         if state is None:
             raise FairCastPatchError(
                 f"resuming from {directory} with {what} under FSDP needs this rank's Fair Cast state, but {path} does "
-                f"not exist (a checkpoint written without Fair Cast, with another mode, or by a plugin version that did "
-                f"not save it); starting the state fresh would not reproduce the run."
+                f"not exist (a checkpoint written without Fair Cast, with another mode, or by a plugin version that "
+                f"did not save it); starting the state fresh would not reproduce the run."
             )
         saved_layout = state.get("fsdp", {}).get("shards")
         if saved_layout is not None and saved_layout != self._shard_layout():

@@ -355,7 +355,8 @@ def test_fsdp2_flag_off_holds_round_to_nearest(stateful_runs):
     stream = ranks[0]["exported"]
     assert sorted(stream) == [0, 1, 2, 3, 4]
     for version, sent in stream.items():
-        assert all(t.dtype == torch.float32 and torch.equal(t, ranks[0]["masters"][version][n]) for n, t in sent.items())
+        masters = ranks[0]["masters"][version]
+        assert all(t.dtype == torch.float32 and torch.equal(t, masters[n]) for n, t in sent.items())
     assert {dtype for _, dtype, _ in ranks[0]["metadata"]} == {"float32"}
 
 

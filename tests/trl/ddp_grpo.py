@@ -18,8 +18,8 @@ from faircast_plugins import derive_key, fair_cast
 
 d, out = sys.argv[1], sys.argv[2]
 cb = sys.argv[3:] == ["cb"]
-extra = dict(use_transformers_continuous_batching=True,
-             transformers_continuous_batching_config={"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256}) if cb else {}
+CB_CONFIG = {"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256}  # small paged cache
+extra = dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config=CB_CONFIG) if cb else {}
 args = GRPOConfig(output_dir=out, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                   max_steps=3, logging_steps=1, report_to="none", save_strategy="no", beta=0.0, learning_rate=1e-4,
                   faircast=True, faircast_seed=21, **extra)

@@ -222,8 +222,8 @@ def run(scenario: str) -> None:
     if vllm:
         extra = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3)
     if cb:  # a small paged cache: transformers sizes it from free memory by default
-        extra = dict(use_transformers_continuous_batching=True,
-                     transformers_continuous_batching_config={"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256})
+        cb_config = {"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256}
+        extra = dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cb_config)
     args = GRPOConfig(
         output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False,
@@ -250,7 +250,8 @@ def run(scenario: str) -> None:
         error = str(e)
     engine = trainer.deepspeed
     torch.save({
-        "steps": recorder.steps, "syncs": recorder.syncs, "generations": recorder.generations, "turns": recorder.turns, "seed": SEED, "mode": mode, "error": error,
+        "steps": recorder.steps, "syncs": recorder.syncs, "seed": SEED, "mode": mode, "error": error,
+        "generations": recorder.generations, "turns": recorder.turns,
         "ema_decay": args.faircast_ema_decay,
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "is_deepspeed": trainer.is_deepspeed_enabled, "zero_stage": engine.zero_optimization_stage(),

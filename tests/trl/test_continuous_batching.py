@@ -54,6 +54,10 @@ def fp32_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     return path
 
 
+def grpo_trainer_for(model_dir, dataset, out, **flags):
+    return grpo_trainer(model_dir, dataset, grpo_args(out, **flags))
+
+
 def rloo_trainer(model_dir, dataset, out, **flags):
     from trl import RLOOConfig, RLOOTrainer
 
@@ -193,7 +197,8 @@ def check_fair_cast_run(trainer, watch, sgd, *, steps: int, generations: int, gr
     others = [f for f in watch.forwards if not f["generation"]]
     assert sum(f["grad"] for f in others) >= 2 * steps
     assert all(f["dtypes"] == fp32 and f["mismatches"] == 0 for f in others)
-    # After every generation the policy is back: same Parameter objects, fp32, buffers the same tensors.
+    # Around every generation the policy's own parameters were never cast: the same objects, fp32, same values;
+    # the buffers (which TRL's cast replaces) are the same tensors again.
     assert len(watch.turns) == generations
     for t in watch.turns:
         assert t["same_params"] and t["dtypes"] == fp32 and t["values_kept"] and t["buffers_kept"], t
@@ -258,10 +263,6 @@ def test_grpo_negative_controls_flag_off_and_audit_only_keep_trl_behaviour(fp32_
     # from the first generation on, the weights TRL trains are the bf16 copy it serves: no lag between them
     for h in logged[1:]:
         assert h["faircast/lag_steps"] == 0 and h["faircast/served_changed_frac"] == h["faircast/master_moved_frac"], h
-
-
-def grpo_trainer_for(model_dir, dataset, out, **flags):
-    return grpo_trainer(model_dir, dataset, grpo_args(out, **flags))
 
 
 @pytest.mark.parametrize("flags", [dict(faircast=True), dict(faircast_audit=True)])

@@ -18,7 +18,8 @@ replace only the wire (NCCL -> gloo on CPU); everything around it is the real co
   refuse non-CUDA devices and, for an indexed device, ``torch.cuda.set_device``; with the endpoint replaced nothing
   touches CUDA. TRL's HTTP protocol (``/server_info``, ``/get_world_size``, ``/init_weight_transfer_engine``,
   ``/start_weight_update``, ``/update_weights`` with the announced ``dtype_names``, ``/finish_weight_update``) runs
-  unchanged.
+  unchanged. AsyncGRPO's ``trl.experimental.async_grpo.weight_transfer`` gets the same two replacements (its
+  ``WeightTransferClient`` has no device check).
 
 vLLM's packed helpers double-buffer on CUDA streams and ask ``torch.accelerator`` for the device index;
 :func:`cpu_streams` gives them synchronous no-op streams and index 0 while they run. Bytes move unchanged: gloo's
@@ -152,7 +153,9 @@ register_backend()
 
 
 def install_trainer_side(monkeypatch) -> None:
-    """Replace the NCCL endpoint and broadcast in TRL's ``VLLMClient`` with the gloo stand-in (see module doc)."""
+    """Replace the NCCL endpoint and broadcast with the gloo stand-in (see module doc) in TRL's ``VLLMClient``
+    (GRPO/RLOO server mode) and in AsyncGRPO's ``WeightTransferClient``, which has no CUDA check of its own."""
+    import trl.experimental.async_grpo.weight_transfer as async_weight_transfer
     import trl.generation.vllm_client as vllm_client
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
@@ -169,7 +172,8 @@ def install_trainer_side(monkeypatch) -> None:
     def init_communicator(self, device=0):
         return original_init(self, device="cuda")
 
-    assert vllm_client._HAS_STATEFUL_TRAINER_ENGINE, "the stand-in covers TRL's vLLM >= 0.28 path"
-    monkeypatch.setattr(vllm_client, "open_trainer_endpoint", open_trainer_endpoint)
-    monkeypatch.setattr(vllm_client, "packed_nccl_broadcast_producer", producer)
+    for module in (vllm_client, async_weight_transfer):
+        assert module._HAS_STATEFUL_TRAINER_ENGINE, "the stand-in covers TRL's vLLM >= 0.28 path"
+        monkeypatch.setattr(module, "open_trainer_endpoint", open_trainer_endpoint)
+        monkeypatch.setattr(module, "packed_nccl_broadcast_producer", producer)
     monkeypatch.setattr(vllm_client.VLLMClient, "init_communicator", init_communicator)

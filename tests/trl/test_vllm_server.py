@@ -225,3 +225,88 @@ def test_server_vllm_serves_fair_cast_of_master(vllm_server, tiny_model_dir, pro
     assert len(off["posted"]) == 3 and all(set(u["dtype_names"]) == {"float32"} for u in off["posted"])
     assert w.probes[-1]["announced"][-3:] == [u["dtype_names"] for u in off["posted"]]
     assert len(off["logs"]) == 3 and all(h["completions/mean_length"] > 0 for h in off["logs"])
+
+
+def run_async_grpo(server, tiny_model_dir, prompts_dataset, tmp_path, monkeypatch, **flags):
+    """TRL's AsyncGRPOTrainer with its real rollout worker (a spawned child generating through the server's
+    ``/v1/completions``) and its real ``WeightTransferClient``; CPU shims for its FA3 kernel and MFU lookup."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from async_stubs import chat_cat_reward, install_cpu_shims
+    from cpu_weight_transfer import install_trainer_side
+
+    trainer_class = install_cpu_shims(monkeypatch.setattr)
+    install_trainer_side(monkeypatch)
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # The tiny tokenizer has none; rollouts are conversations, parsed with the response schema TRL knows for it.
+    tokenizer.chat_template = qwen2_5_chat_template
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts_dataset["prompt"]]})
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, logging_steps=1, save_strategy="no",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-5, seed=0,
+        token_budget=256, vllm_server_base_url=server.base_url, vllm_server_timeout=60, **flags)
+    try:
+        trainer = trainer_class(model=tiny_model_dir, reward_funcs=chat_cat_reward, args=args, train_dataset=dataset,
+                                processing_class=tokenizer)
+        watcher = AsyncSyncWatcher(trainer, tmp_path, args.faircast, args.faircast_seed)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        del trainer
+        gc.collect()
+    finally:
+        monkeypatch.undo()
+    return watcher, logs
+
+
+class AsyncSyncWatcher(ServerSyncWatcher):
+    """Wraps AsyncGRPO's ``_sync_weight`` (the cold sync at train begin and one per step) instead of GRPO's."""
+
+    def __init__(self, trainer, tmp_path, faircast: bool, seed: int):
+        self.trainer, self.tmp_path, self.faircast, self.seed = trainer, tmp_path, faircast, seed
+        self.syncs, self.mismatches, self.differs_from_rtn, self.compared, self.probes = [], [], 0, 0, []
+        original = trainer._sync_weight
+
+        def _sync_weight():
+            result = original()
+            self.check()
+            return result
+
+        trainer._sync_weight = _sync_weight
+        for callback in trainer.callback_handler.callbacks:  # the StepIntervalCallback holds the bound method
+            if getattr(callback, "fn", None) == original:
+                callback.fn = _sync_weight
+
+    def read_server_weights(self) -> dict:
+        import requests
+        from safetensors.torch import load_file
+
+        path = str(self.tmp_path / f"served-{len(self.syncs)}.safetensors")
+        reply = requests.post(f"{self.trainer.args.vllm_server_base_url}/collective_rpc",
+                              json={"method": "faircast_test_dump_weights", "args": [path]}, timeout=120)
+        reply.raise_for_status()
+        self.probes.append(reply.json()["results"][0])
+        return load_file(path)
+
+
+def test_async_grpo_server_serves_fair_cast_of_master(vllm_server, tiny_model_dir, prompts_dataset, tmp_path,
+                                                      monkeypatch):
+    watcher, logs = run_async_grpo(vllm_server, tiny_model_dir, prompts_dataset, tmp_path / "on", monkeypatch,
+                                   faircast=True, faircast_seed=5)
+    assert watcher.syncs == [0, 1, 2], watcher.syncs  # cold sync at train begin, then one per step
+    assert watcher.compared >= 3 * 19 and watcher.mismatches == [], watcher.mismatches[:5]
+    assert watcher.differs_from_rtn > 0
+    announced = watcher.probes[-1]["announced"][-3:]
+    assert all(set(a) == {"bfloat16"} for a in announced), announced
+    # rollouts came from the server and carried a policy gradient (the masters moved)
+    assert len(logs) == 2 and all(h["completions/mean_length"] > 0 and h["grad_norm"] > 0 for h in logs), logs
+
+    watcher, logs = run_async_grpo(vllm_server, tiny_model_dir, prompts_dataset, tmp_path / "off", monkeypatch)
+    assert watcher.syncs == [0, 1, 2] and watcher.compared >= 3 * 19
+    assert watcher.mismatches == [], watcher.mismatches[:5]
+    announced = watcher.probes[-1]["announced"][-3:]
+    assert all(set(a) == {"float32"} for a in announced), announced
+    assert len(logs) == 2 and all(h["completions/mean_length"] > 0 and h["grad_norm"] > 0 for h in logs), logs

@@ -78,16 +78,34 @@ def _wrap_update_actor(original):
     return update_actor
 
 
-def _wrap_optimizer_step(original):
-    @functools.wraps(original)
-    def optimizer_step(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        state = fc_engine.state_of(self)
-        if state is not None:
-            fc_engine.advance(state)  # the next FSDP cast and the next export use the new weight version
-        return result
+def _then(action):
+    """A wrapper factory for engine methods after which Fair Cast acts on its state: run the original, then
+    ``action(state, *args, **kwargs)`` with the engine's Fair Cast state (nothing for engines without one)."""
 
-    return optimizer_step
+    def factory(original):
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            state = fc_engine.state_of(self)
+            if state is not None:
+                action(state, *args, **kwargs)
+            return result
+
+        return wrapper
+
+    return factory
+
+
+def _advance(state, *args, **kwargs):
+    fc_engine.advance(state)  # the next FSDP cast and the next export use the new weight version
+
+
+def _save(state, local_path, *args, **kwargs):
+    fc_engine.save(state, local_path)
+
+
+def _load(state, local_path, *args, **kwargs):
+    fc_engine.load(state, local_path)
 
 
 def _wrap_get_per_tensor_param(original):
@@ -147,42 +165,18 @@ def _wrap_merged_lora_per_tensor_param(original):
     return _merged_lora_per_tensor_param
 
 
-def _wrap_save_checkpoint(original):
-    @functools.wraps(original)
-    def save_checkpoint(self, local_path, *args, **kwargs):
-        result = original(self, local_path, *args, **kwargs)
-        state = fc_engine.state_of(self)
-        if state is not None:
-            fc_engine.save(state, local_path)
-        return result
-
-    return save_checkpoint
-
-
-def _wrap_load_checkpoint(original):
-    @functools.wraps(original)
-    def load_checkpoint(self, local_path, *args, **kwargs):
-        result = original(self, local_path, *args, **kwargs)
-        state = fc_engine.state_of(self)
-        if state is not None:
-            fc_engine.load(state, local_path)
-        return result
-
-    return load_checkpoint
-
-
 def build_patch_set() -> PatchSet:
     """Every verl symbol Fair Cast wraps, checked together against the installed verl before any is touched."""
     patches = PatchSet("verl", "verl", VERL_SPECIFIER)
     patches.wrap(f"{_WORKER}.init_model", _wrap_init_model)
     patches.wrap(f"{_WORKER}.update_actor", _wrap_update_actor)
-    patches.wrap(f"{_ENGINE}.optimizer_step", _wrap_optimizer_step)
+    patches.wrap(f"{_ENGINE}.optimizer_step", _then(_advance))
     patches.wrap(f"{_ENGINE}.get_per_tensor_param", _wrap_get_per_tensor_param)
     patches.wrap(f"{_IMPL}:unfuse_moe_params", _wrap_unfuse_moe_params)
     patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _wrap_get_per_tensor_param_shard)
     patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _wrap_merged_lora_per_tensor_param)
-    patches.wrap(f"{_ENGINE}.save_checkpoint", _wrap_save_checkpoint)
-    patches.wrap(f"{_ENGINE}.load_checkpoint", _wrap_load_checkpoint)
+    patches.wrap(f"{_ENGINE}.save_checkpoint", _then(_save))
+    patches.wrap(f"{_ENGINE}.load_checkpoint", _then(_load))
     return patches
 
 

@@ -147,6 +147,7 @@ class ServerSyncWatcher:
         version = self.trainer.state.global_step
         params = named_params(self.trainer)
         if self.faircast:
+            assert self.trainer._faircast.caster.version == version  # one weight version per optimizer step
             masters = self.trainer._faircast.masters
             hf = {n: expected_served(masters[n], seed=self.seed, version=version, name=n, mode="stochastic")
                   for n in params}

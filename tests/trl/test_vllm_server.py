@@ -12,6 +12,10 @@ After every weight sync, the server's weights (read back through the dev-mode ``
 ``qkv_proj``/``gate_up_proj`` split back by concatenating the HF tensors) must equal ``fair_cast(master)`` at the
 current weight version, bit for bit. Negative control: with the flag off, the announced dtypes are float32 and the
 server holds vLLM's own round-to-nearest cast of the fp32 weights.
+
+The same server also serves TRL's ``AsyncGRPOTrainer`` with its real rollout worker (a spawned child generating
+through ``/v1/completions``) and its real ``WeightTransferClient``; the cold sync and every step's sync are checked
+the same way (FA3/MFU CPU shims from ``async_stubs.py``).
 """
 from __future__ import annotations
 
@@ -293,10 +297,15 @@ class AsyncSyncWatcher(ServerSyncWatcher):
         return load_file(path)
 
 
+DTYPE_MISMATCH = "The vLLM server serves in bfloat16 but the weights sent to it are"  # WeightTransferClient warning
+
+
 def test_async_grpo_server_serves_fair_cast_of_master(vllm_server, tiny_model_dir, prompts_dataset, tmp_path,
-                                                      monkeypatch):
+                                                      monkeypatch, caplog):
+    caplog.set_level("WARNING", logger="trl.experimental.async_grpo.weight_transfer")
     watcher, logs = run_async_grpo(vllm_server, tiny_model_dir, prompts_dataset, tmp_path / "on", monkeypatch,
                                    faircast=True, faircast_seed=5)
+    assert DTYPE_MISMATCH not in caplog.text  # the bf16 manifest matches the server's --dtype bfloat16
     assert watcher.syncs == [0, 1, 2], watcher.syncs  # cold sync at train begin, then one per step
     assert watcher.compared >= 3 * 19 and watcher.mismatches == [], watcher.mismatches[:5]
     assert watcher.differs_from_rtn > 0
@@ -305,7 +314,9 @@ def test_async_grpo_server_serves_fair_cast_of_master(vllm_server, tiny_model_di
     # rollouts came from the server and carried a policy gradient (the masters moved)
     assert len(logs) == 2 and all(h["completions/mean_length"] > 0 and h["grad_norm"] > 0 for h in logs), logs
 
+    caplog.clear()
     watcher, logs = run_async_grpo(vllm_server, tiny_model_dir, prompts_dataset, tmp_path / "off", monkeypatch)
+    assert f"{DTYPE_MISMATCH} float32" in caplog.text  # TRL's own warning: fp32 stream into a bf16 server
     assert watcher.syncs == [0, 1, 2] and watcher.compared >= 3 * 19
     assert watcher.mismatches == [], watcher.mismatches[:5]
     announced = watcher.probes[-1]["announced"][-3:]

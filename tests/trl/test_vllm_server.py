@@ -121,30 +121,33 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
-class ServerSyncWatcher:
-    """After each of TRL's weight syncs, read the server's weights back and compare them (test-side wrapper)."""
+class ServerWatcher:
+    """Reads the server's weights back after each weight sync and compares them with what it must serve."""
 
-    def __init__(self, trainer, server, tmp_path, faircast: bool, seed: int):
-        self.trainer, self.server, self.tmp_path, self.faircast, self.seed = trainer, server, tmp_path, faircast, seed
+    def __init__(self, trainer, base_url: str, tmp_path, faircast: bool, seed: int):
+        self.trainer, self.base_url, self.tmp_path = trainer, base_url, tmp_path
+        self.faircast, self.seed = faircast, seed
         self.syncs, self.mismatches, self.differs_from_rtn, self.compared, self.probes = [], [], 0, 0, []
-        generation = trainer.vllm_generation
-        original = generation.sync_weights
 
-        def sync_weights(*args, **kwargs):
-            result = original(*args, **kwargs)
+    def after(self, sync):
+        """``sync``, followed by :meth:`check` (the test's wrapper around the trainer's own weight sync)."""
+
+        def sync_then_check(*args, **kwargs):
+            result = sync(*args, **kwargs)
             self.check()
             return result
 
-        generation.sync_weights = sync_weights
+        return sync_then_check
 
     def read_server_weights(self) -> dict:
+        import requests
         from safetensors.torch import load_file
 
         path = str(self.tmp_path / f"served-{len(self.syncs)}.safetensors")
-        client = self.trainer.vllm_generation.vllm_client
-        reply = client._post(f"{client.base_url}/collective_rpc",
-                             json={"method": "faircast_test_dump_weights", "args": [path]})
-        self.probes.append(reply["results"][0])
+        reply = requests.post(f"{self.base_url}/collective_rpc",
+                              json={"method": "faircast_test_dump_weights", "args": [path]}, timeout=120)
+        reply.raise_for_status()
+        self.probes.append(reply.json()["results"][0])
         return load_file(path)
 
     def check(self) -> None:
@@ -192,7 +195,9 @@ def run_server_mode(server, tiny_model_dir, prompts_dataset, tmp_path, monkeypat
                      **flags)
     try:
         trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
-        watcher = ServerSyncWatcher(trainer, server, tmp_path, args.faircast, args.faircast_seed)
+        watcher = ServerWatcher(trainer, server.base_url, tmp_path, args.faircast, args.faircast_seed)
+        generation = trainer.vllm_generation
+        generation.sync_weights = watcher.after(generation.sync_weights)
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         params = {n: p.detach().clone() for n, p in named_params(trainer).items()}
@@ -257,7 +262,12 @@ def run_async_grpo(server, tiny_model_dir, prompts_dataset, tmp_path, monkeypatc
     try:
         trainer = trainer_class(model=tiny_model_dir, reward_funcs=chat_cat_reward, args=args, train_dataset=dataset,
                                 processing_class=tokenizer)
-        watcher = AsyncSyncWatcher(trainer, tmp_path, args.faircast, args.faircast_seed)
+        watcher = ServerWatcher(trainer, server.base_url, tmp_path, args.faircast, args.faircast_seed)
+        original = trainer._sync_weight  # the cold sync at train begin and one per step
+        trainer._sync_weight = watcher.after(original)
+        for callback in trainer.callback_handler.callbacks:  # the StepIntervalCallback holds the bound method
+            if getattr(callback, "fn", None) == original:
+                callback.fn = trainer._sync_weight
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         del trainer
@@ -265,36 +275,6 @@ def run_async_grpo(server, tiny_model_dir, prompts_dataset, tmp_path, monkeypatc
     finally:
         monkeypatch.undo()
     return watcher, logs
-
-
-class AsyncSyncWatcher(ServerSyncWatcher):
-    """Wraps AsyncGRPO's ``_sync_weight`` (the cold sync at train begin and one per step) instead of GRPO's."""
-
-    def __init__(self, trainer, tmp_path, faircast: bool, seed: int):
-        self.trainer, self.tmp_path, self.faircast, self.seed = trainer, tmp_path, faircast, seed
-        self.syncs, self.mismatches, self.differs_from_rtn, self.compared, self.probes = [], [], 0, 0, []
-        original = trainer._sync_weight
-
-        def _sync_weight():
-            result = original()
-            self.check()
-            return result
-
-        trainer._sync_weight = _sync_weight
-        for callback in trainer.callback_handler.callbacks:  # the StepIntervalCallback holds the bound method
-            if getattr(callback, "fn", None) == original:
-                callback.fn = _sync_weight
-
-    def read_server_weights(self) -> dict:
-        import requests
-        from safetensors.torch import load_file
-
-        path = str(self.tmp_path / f"served-{len(self.syncs)}.safetensors")
-        reply = requests.post(f"{self.trainer.args.vllm_server_base_url}/collective_rpc",
-                              json={"method": "faircast_test_dump_weights", "args": [path]}, timeout=120)
-        reply.raise_for_status()
-        self.probes.append(reply.json()["results"][0])
-        return load_file(path)
 
 
 DTYPE_MISMATCH = "The vLLM server serves in bfloat16 but the weights sent to it are"  # WeightTransferClient warning

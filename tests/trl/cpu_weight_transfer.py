@@ -49,7 +49,7 @@ class GlooBroadcastGroup:
         self.group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = TIMEOUT
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # trainer and server: one host
         store = dist.PrefixStore("faircast-test-gloo", self.group.store)
         self.gloo = dist.ProcessGroupGloo(store, rank, world_size, options)
         self.rank, self.world_size = rank, world_size

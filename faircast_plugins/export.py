@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -85,25 +86,96 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def load_state(state: StateArg) -> Optional[dict]:
-    """A Fair Cast state dict from a path (``torch.save`` of ``FairCaster.state_dict()``), a dict or a caster."""
+    """A Fair Cast state dict from a path (``torch.save`` of ``FairCaster.state_dict()``), a dict or a caster.
+
+    A path with ``*`` names per-rank state files of FSDP shards (``faircast_state_rank*.pt``, as the TRL adapter
+    writes them under FSDP with error feedback or an EMA): they are merged into one full-tensor state
+    (:func:`merge_rank_states`)."""
     if state is None:
         return None
     if isinstance(state, FairCaster):
         return _to_cpu(state.state_dict())
     if isinstance(state, Mapping):
         loaded, what = _to_cpu(dict(state)), "the state given"
+    elif "*" in str(state):
+        paths = sorted(Path(state).parent.glob(Path(state).name))
+        if not paths:
+            raise ExportError(f"no Fair Cast state files match {state}")
+        loaded, what = merge_rank_states([_read_state(p) for p in paths]), str(state)
     else:
-        path = Path(state)
-        if not path.is_file():
-            raise ExportError(f"Fair Cast state file {path} does not exist")
-        try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
-            raise ExportError(f"cannot read Fair Cast state {path}: {e}") from None
-        what = str(path)
+        loaded, what = _read_state(Path(state)), str(state)
     if not isinstance(loaded, dict) or not {"format", "config", "version", "ema", "error_feedback"} <= set(loaded):
         raise ExportError(f"{what} is not a Fair Cast state (FairCaster.state_dict(), saved with torch.save)")
     return loaded
+
+
+def _read_state(path: Path) -> Any:
+    if not path.is_file():
+        raise ExportError(f"Fair Cast state file {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise ExportError(f"cannot read Fair Cast state {path}: {e}") from None
+
+
+def merge_rank_states(states: List[dict]) -> dict:
+    """One full-tensor Fair Cast state from every rank's state of its FSDP shards.
+
+    Each state carries ``"fsdp": {"rank", "world_size", "shards": {name: [global offset, numel, full shape]}}``
+    next to ``FairCaster.state_dict()``; its error-feedback residuals, served copies and EMAs are the flat shards at
+    those offsets. The merge puts every element back in place and checks that the ranks agree (world size, version,
+    config) and that the shards cover each parameter exactly once."""
+    infos = [s.get("fsdp") if isinstance(s, dict) else None for s in states]
+    if any(not isinstance(i, dict) or "shards" not in i for i in infos):
+        raise ExportError("these are not per-rank Fair Cast states of FSDP shards (no shard offsets); only the TRL "
+                          "adapter's FSDP faircast_state_rank*.pt files can be merged")
+    worlds = {i["world_size"] for i in infos}
+    if worlds != {len(states)} or sorted(i["rank"] for i in infos) != list(range(len(states))):
+        raise ExportError(f"{len(states)} per-rank Fair Cast state files, written at world size(s) {sorted(worlds)} by "
+                          f"ranks {sorted(i['rank'] for i in infos)}: give exactly one file per rank of the run")
+    first = states[0]
+    for s in states[1:]:
+        if s["version"] != first["version"] or s["config"] != first["config"] or s["format"] != first["format"]:
+            raise ExportError("the per-rank Fair Cast states disagree on version or config: not from one checkpoint")
+
+    full: Dict[Tuple[str, str], torch.Tensor] = {}  # (what, name) -> flat full tensor
+    covered: Dict[Tuple[str, str], torch.Tensor] = {}
+    shapes = {n: tuple(sh) for i in infos for n, (_, _, sh) in i["shards"].items()}
+
+    def place(what: str, name: str, info: dict, shard: torch.Tensor, dtype: torch.dtype) -> None:
+        offset, numel, shape = info["shards"][name]
+        key = (what, name)
+        if key not in full:
+            full[key] = torch.zeros(math.prod(shape), dtype=dtype)
+            covered[key] = torch.zeros(math.prod(shape), dtype=torch.bool)
+        if shard.numel() != numel or bool(covered[key][offset: offset + numel].any()):
+            raise ExportError(f"the FSDP shards of {name} overlap or do not match their recorded sizes")
+        full[key][offset: offset + numel] = shard.reshape(-1).to(dtype)
+        covered[key][offset: offset + numel] = True
+
+    versions: Dict[str, set] = {}
+    for state, info in zip(states, infos):
+        for name, t in state["ema"].items():
+            place("ema", name, info, t, torch.float32)
+        for name, entry in state["error_feedback"].items():
+            place("residual", name, info, entry["residual"], torch.float32)
+            if entry["served"] is not None:
+                place("served", name, info, entry["served"], torch.bfloat16)
+            versions.setdefault(name, set()).add(int(entry["version"]))
+    for (what, name), cov in covered.items():
+        if not bool(cov.all()):
+            raise ExportError(f"the per-rank Fair Cast states do not cover every element of {name} ({what})")
+    if any(len(v) != 1 for v in versions.values()):
+        raise ExportError("the ranks' error-feedback states are at different versions: not from one checkpoint")
+    return {
+        "format": first["format"], "version": first["version"], "config": first["config"],
+        "ema": {n: t.view(shapes[n]) for (what, n), t in full.items() if what == "ema"},
+        "error_feedback": {
+            n: {"residual": t.view(shapes[n]), "version": next(iter(versions[n])), "offset": 0,
+                "served": full[("served", n)].view(shapes[n]) if ("served", n) in full else None}
+            for (what, n), t in full.items() if what == "residual"
+        },
+    }
 
 
 def _state_digest(state: dict) -> str:
@@ -554,7 +626,9 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--mode", choices=("stochastic", "nearest", "error_feedback"),
                         help="cast mode of the run (default: the state's, else stochastic)")
     parser.add_argument("--state", help=f"Fair Cast state file ({STATE_FILE}); required for error_feedback and EMA runs. "
-                                        f"Used by default when --seed/--version are omitted and the checkpoint has one")
+                                        f"Used by default when --seed/--version are omitted and the checkpoint has "
+                                        f"one. A pattern with '*' (quoted) merges per-rank FSDP states "
+                                        f"(faircast_state_rank*.pt, named in faircast.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--device", default="cpu", help="where to cast each tensor (cpu, cuda); same bits anywhere")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -563,7 +637,12 @@ def add_export_arguments(parser) -> None:
 def _default_state(args) -> Optional[str]:
     if args.state is None and (args.seed is None or args.version is None):
         candidate = Path(args.checkpoint) / STATE_FILE
-        if candidate.is_file():
+        info = Path(args.checkpoint) / "faircast.json"
+        if not candidate.is_file() and info.is_file():  # per-rank FSDP states named by the adapter's record
+            record = read_json(info, "Fair Cast record")
+            if record.get("world_size") and record.get("state"):
+                candidate = Path(args.checkpoint) / record["state"]
+        if candidate.is_file() or "*" in candidate.name:
             print(f"faircast: using the Fair Cast state {candidate}", file=sys.stderr)
             return str(candidate)
     return args.state

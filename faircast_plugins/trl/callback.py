@@ -21,7 +21,11 @@ Under FSDP2 (bf16 mixed precision) nothing is swapped either: the sharded fp32 p
 ``on_train_begin`` registers the wrapped policy with the shared FSDP cast patches (:mod:`faircast_plugins.fsdp`),
 so FSDP's own bf16 cast of each shard at every all-gather -- the weights generation, old log-probs and the loss
 run on -- is ``fair_cast(master)`` at the current version; the version advances after each optimizer step, and the
-vLLM export casts the gathered full masters to the same bits.
+vLLM export gives the rollout engine the same bits. Error feedback and the EMA are per-element state that each rank
+keeps for its own shards (:meth:`FairCastCallback.stateful`): each rank casts its shards once per version, right
+after the optimizer step (EF advances its residual there, once; every later cast site of that version -- FSDP's
+all-gathers, the export -- gets the same bits), the export assembles each full tensor from every rank's served
+shard (:func:`faircast_plugins.fsdp.assemble_served`), and checkpoints hold one state file per rank.
 
 With only ``faircast_audit`` on, nothing is swapped: the callback measures how far the round-to-nearest copy that
 vLLM serves trails the master, and TRL's logs get the same ``faircast/*`` metrics.
@@ -41,12 +45,15 @@ from ..audit import finalize
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
-from ..export import STATE_FILE, save_state
+from ..export import STATE_FILE, _to_cpu, save_state
 from ..key import canonical_name
+from ..patching import FairCastPatchError
 
 logger = logging.getLogger("faircast_plugins")
 
 INFO_FILE = "faircast.json"
+#: Under FSDP with error feedback or an EMA: each rank's Fair Cast state (its shards' residuals / EMA), per checkpoint.
+RANK_STATE_FILE = "faircast_state_rank{rank:05d}.pt"
 
 
 class FairCastCallback(TrainerCallback):
@@ -77,6 +84,13 @@ class FairCastCallback(TrainerCallback):
         audit-only run, under DeepSpeed (the bf16 parameters are the served copy) and under FSDP (FSDP's bf16 cast
         of the fp32 shards is)."""
         return self.config.enabled and not self.on_deepspeed and not self.on_fsdp
+
+    @property
+    def stateful(self) -> bool:
+        """True under FSDP with error feedback or an EMA: the served copy depends on per-element state that each rank
+        keeps for its own shards, so the export assembles it from every rank and checkpoints hold a file per rank."""
+        cfg = self.config
+        return self.on_fsdp and cfg.enabled and (cfg.mode == "error_feedback" or bool(cfg.ema_decay))
 
     # -- setup ----------------------------------------------------------------------------------------------
     def _collect(self) -> Dict[str, torch.nn.Parameter]:
@@ -124,19 +138,26 @@ class FairCastCallback(TrainerCallback):
             self.fsdp_names = register_fsdp_module(self.trainer.model, self.caster)
 
     def _fsdp_shards(self):
-        """``(name, local fp32 shard, global offset)`` of every trainable FSDP2 parameter on this rank."""
-        from ..fsdp import shard_offset
+        """``(name, local fp32 shard, global offset)`` of every trainable FSDP2 parameter on this rank: with Fair Cast
+        on, exactly the flat shards FSDP's patched cast reads (the per-element state of error feedback and the EMA is
+        kept for these); in an audit-only run (nothing registered) the DTensors' local shards."""
+        from ..fsdp import registered_shards, shard_offset
 
+        if self.fsdp_names:
+            for name, (offset, master) in registered_shards(self.trainer.model).items():
+                yield name, master, offset
+            return
         for n, p in self.trainer.model.named_parameters():
             if p.requires_grad and hasattr(p, "to_local"):
                 name = canonical_name(n)
                 offset, _ = shard_offset(name, p)
                 yield name, p.to_local().detach(), offset
 
-    def _observe_fsdp(self) -> None:
-        """Audit under FSDP: cast this rank's shards once per version (the same bits as FSDP's own cast: Fair Cast,
-        or round-to-nearest when off), so the audit sees every version even if no forward runs."""
-        if self.caster.audit is not None:
+    def _cast_fsdp_shards(self) -> None:
+        """Cast this rank's shards at the current version (the same bits as FSDP's own cast: Fair Cast, or
+        round-to-nearest when off). Error feedback advances its residual here, once per version, whatever cast site
+        comes next; the audit sees every version even if no forward runs."""
+        if self.caster.audit is not None or self.stateful:
             for name, local, offset in self._fsdp_shards():
                 self.caster.cast(name, local, offset=offset)
 
@@ -145,7 +166,9 @@ class FairCastCallback(TrainerCallback):
             self._attach_deepspeed(state)
             self.resume_dir = None
             return
-        if not self.on_fsdp:
+        if self.on_fsdp:
+            self._attach_fsdp()  # first: a per-rank state restore checks this rank's registered shards
+        else:
             self.params = self._collect()
         restored = self._load_state(self.resume_dir) if self.resume_dir else False
         if not restored:
@@ -162,9 +185,8 @@ class FairCastCallback(TrainerCallback):
                 f"resumes at step {state.global_step}"
             )
         if self.on_fsdp:
-            self._attach_fsdp()
             with torch.no_grad():
-                self._observe_fsdp()
+                self._cast_fsdp_shards()
             self.resume_dir = None
             return
         with torch.no_grad():
@@ -193,9 +215,11 @@ class FairCastCallback(TrainerCallback):
         if self.on_deepspeed:
             return  # the DeepSpeed patch advanced the version and cast inside the engine's step
         if self.on_fsdp:  # FSDP casts the stepped shards at the next all-gather, at the new version
-            self.caster.advance()
             with torch.no_grad():
-                self._observe_fsdp()
+                # EMA: this rank's shards of the EMA move towards its stepped shards (elementwise, so together they
+                # are the EMA of the full masters)
+                self.caster.advance([(n, m) for n, m, _ in self._fsdp_shards()] if self.caster.ema_on else None)
+                self._cast_fsdp_shards()
             return
         with torch.no_grad():
             if self.shadow:
@@ -243,15 +267,28 @@ class FairCastCallback(TrainerCallback):
             out["faircast/bias_rel_cumulative"] = abs(self._cumulative["dev_along"]) / self._cumulative["abs_update"]
         return out
 
-    def export_cast(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Under FSDP: the served bf16 copy of a gathered full master for the rollout engine (the same bits FSDP's
-        cast gives each shard). Unregistered tensors (frozen parameters) pass unchanged, i.e. round to nearest in
-        the engine, as FSDP's stock cast does. Unaudited: the audit follows the shards."""
-        cast_name = self.fsdp_names.get(canonical_name(name))
-        if cast_name is None or tensor.dtype != torch.float32:
-            return tensor
-        return fair_cast(tensor.detach().contiguous(), key=self.caster.key(cast_name), mode=self.caster.mode,
-                         backend=self.config.backend)
+    def fsdp_export(self, stream):
+        """Under FSDP: TRL's stream of gathered full fp32 masters (``(name, tensor)``, one at a time), with every
+        registered parameter replaced by the served bf16 copy -- the bits FSDP's patched cast gives its shards.
+
+        Stateless modes cast the full tensor. With error feedback or an EMA the copy depends on per-rank shard state,
+        so it is assembled from every rank's cast of its own shard (:func:`faircast_plugins.fsdp.assemble_served`):
+        a collective, which is sound because TRL's FSDP2 sync walks the same names in the same order on every rank
+        (it all-gathers each parameter with ``full_tensor()``). Unregistered tensors (frozen parameters) pass
+        unchanged, i.e. round to nearest in the engine, as FSDP's stock cast does. Unaudited here: the audit follows
+        the shards."""
+        from ..fsdp import assemble_served, registered_shards
+
+        shards = registered_shards(self.trainer.model) if self.stateful else None
+        for name, tensor in stream:
+            cast_name = self.fsdp_names.get(canonical_name(name))
+            if cast_name is None or tensor.dtype != torch.float32:
+                yield name, tensor
+            elif shards is not None:
+                yield name, assemble_served(self.caster, cast_name, shards.get(cast_name), tensor.shape, tensor.device)
+            else:
+                yield name, fair_cast(tensor.detach().contiguous(), key=self.caster.key(cast_name),
+                                      mode=self.caster.mode, backend=self.config.backend)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:
@@ -263,7 +300,17 @@ class FairCastCallback(TrainerCallback):
         Under DeepSpeed only the JSON record is written here: the Fair Cast state belongs to the DeepSpeed checkpoint
         (``global_stepN/faircast_state_rankNNNNN.pt``, one per rank, written and restored by the DeepSpeed patch with
         the residuals of that rank's partition), so there is one state and one restore path; :meth:`on_save` points
-        the record at those files once the Trainer has written them."""
+        the record at those files once the Trainer has written them.
+
+        Under FSDP with error feedback or an EMA every rank writes its own state (the residuals / EMA of its shards) as
+        ``faircast_state_rankNNNNN.pt`` (with each shard's offset), and the record names them and the world size;
+        ``faircast export`` merges them (:func:`faircast_plugins.export.merge_rank_states`).
+
+        Called on every rank (``Trainer.save_model`` runs on every rank); only the main process writes shared files."""
+        if self.stateful:
+            self._save_rank_state(output_dir)
+        if not self.trainer.args.should_save:
+            return
         os.makedirs(output_dir, exist_ok=True)
         info = {
             "enabled": self.config.enabled,
@@ -273,7 +320,10 @@ class FairCastCallback(TrainerCallback):
             "ema_decay": self.config.ema_decay,
             "model_weights": self._saved_weights(),
         }
-        if not self.on_deepspeed:
+        if self.stateful:
+            info["state"] = RANK_STATE_FILE.replace("{rank:05d}", "*")
+            info["world_size"] = self._world()[1]
+        elif not self.on_deepspeed:
             save_state(self.caster, output_dir)  # faircast_state.pt, the file `faircast export --state` reads
         with open(os.path.join(output_dir, INFO_FILE), "w") as f:
             json.dump(info, f, indent=2)
@@ -309,11 +359,78 @@ class FairCastCallback(TrainerCallback):
         return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"
 
     def _load_state(self, directory: str) -> bool:
+        if self.stateful:
+            return self._load_rank_state(directory)
         path = os.path.join(directory, STATE_FILE)
         if not os.path.exists(path):
             return False
         self.caster.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         logger.warning("Fair Cast: restored state (weight version %d) from %s", self.caster.version, path)
+        return True
+
+    # -- per-rank state (FSDP with error feedback or an EMA) ----------------------------------------------------
+    def _world(self):
+        """``(rank, world size)`` of the trainer's processes."""
+        accelerator = self.trainer.accelerator
+        return accelerator.process_index, accelerator.num_processes
+
+    def _per_rank_what(self) -> str:
+        if self.config.mode == "error_feedback":
+            return "faircast_mode=error_feedback (its residuals)"
+        return f"faircast_ema_decay={self.config.ema_decay} (the EMA of the master)"
+
+    def _shard_layout(self) -> Dict[str, list]:
+        """``{name: [global offset, numel, full shape]}`` of this rank's registered shards."""
+        from ..fsdp import registered_shards
+
+        shapes = {canonical_name(n): list(p.shape) for n, p in self.trainer.model.named_parameters()}
+        return {n: [offset, master.numel(), shapes[n]]
+                for n, (offset, master) in registered_shards(self.trainer.model).items()}
+
+    def _save_rank_state(self, output_dir: str) -> str:
+        rank, world = self._world()
+        os.makedirs(output_dir, exist_ok=True)
+        state = _to_cpu(self.caster.state_dict())
+        # the shard layout: resume checks it, and `faircast export` merges the ranks' files with it
+        state["fsdp"] = {"rank": rank, "world_size": world, "shards": self._shard_layout()}
+        path = os.path.join(output_dir, RANK_STATE_FILE.format(rank=rank))
+        torch.save(state, path)
+        return path
+
+    def _load_rank_state(self, directory: str) -> bool:
+        """Restore this rank's Fair Cast state (its shards' residuals / EMA); refuse what cannot reproduce the run."""
+        rank, world = self._world()
+        what = self._per_rank_what()
+        info_path = os.path.join(directory, INFO_FILE)
+        saved_world = None
+        if os.path.exists(info_path):
+            with open(info_path) as f:
+                saved_world = json.load(f).get("world_size")
+        path = os.path.join(directory, RANK_STATE_FILE.format(rank=rank))
+        state = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
+        if state is not None and saved_world is None:
+            saved_world = state.get("fsdp", {}).get("world_size")
+        if saved_world is not None and saved_world != world:
+            raise FairCastPatchError(
+                f"resuming from {directory} with {what} under FSDP at world size {world}: the checkpoint's Fair Cast "
+                f"state was written at world size {saved_world}. It is per-rank state of each rank's shards; resume at "
+                f"world size {saved_world}, or train with faircast_mode=stochastic and no EMA."
+            )
+        if state is None:
+            raise FairCastPatchError(
+                f"resuming from {directory} with {what} under FSDP needs this rank's Fair Cast state, but {path} does "
+                f"not exist (a checkpoint written without Fair Cast, with another mode, or by a plugin version that "
+                f"did not save it); starting the state fresh would not reproduce the run."
+            )
+        saved_layout = state.get("fsdp", {}).get("shards")
+        if saved_layout is not None and saved_layout != self._shard_layout():
+            raise FairCastPatchError(
+                f"resuming from {directory} with {what} under FSDP: rank {rank}'s shards are laid out differently from "
+                f"when {path} was written (another FSDP wrapping or mesh); the per-shard state cannot be reused."
+            )
+        self.caster.load_state_dict(state)
+        logger.warning("Fair Cast: rank %d restored its state (weight version %d) from %s", rank, self.caster.version,
+                       path)
         return True
 
 

@@ -12,7 +12,8 @@ refuses any TRL outside :data:`SUPPORTED`.
   bytes. Under DeepSpeed the bf16 parameters already are the served copy and pass through untouched; under FSDP2
   the gathered full fp32 masters are cast to the bits FSDP's patched cast gives their shards.
 * ``Trainer.save_model``: write the fp32 masters (not the served copy; under DeepSpeed, DeepSpeed's own weights) and ``faircast_state.pt`` +
-  ``faircast.json`` (seed, version, mode) into every checkpoint and final save.
+  ``faircast.json`` (seed, version, mode) into every checkpoint and final save; under FSDP with error feedback or an
+  EMA, every rank writes its own ``faircast_state_rankNNNNN.pt`` instead.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
 
@@ -95,7 +96,8 @@ def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
 
 
 def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: Any) -> None:
-    """FSDP runs go through the shared FSDP cast patches: FSDP2 with a bf16 compute copy, stateless modes only."""
+    """FSDP runs go through the shared FSDP cast patches: FSDP2 with a bf16 compute copy (every mode; error-feedback
+    residuals and EMAs are per-rank state of each rank's shards, see :class:`FairCastCallback`)."""
     if trainer_name == "OnlineDPOTrainer":
         raise FairCastUnsupportedError(
             "Fair Cast with FSDP in OnlineDPOTrainer is refused: its own FSDP weight push to vLLM is not wired. "
@@ -111,13 +113,6 @@ def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: An
         raise FairCastUnsupportedError(
             f"Fair Cast with FSDP in {trainer_name} needs bf16 mixed precision (bf16=True, the TRL default): FSDP's "
             f"bf16 cast of the fp32 shards is where the served copy is made; got {param_dtype}."
-        )
-    cfg = faircast_config(args)
-    if cfg is not None and cfg.enabled and (cfg.mode == "error_feedback" or cfg.ema_decay):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with FSDP in {trainer_name} supports faircast_mode stochastic or nearest without "
-            f"faircast_ema_decay: an error-feedback residual or an EMA would be per-rank shard state that the "
-            f"full-tensor vLLM export cannot reproduce."
         )
 
 
@@ -198,9 +193,8 @@ def _bf16_manifest(trainer) -> None:
 
 def _served_stream(callback, stream):
     """The ``(name, tensor)`` stream a rollout engine receives, as the served bf16 copy."""
-    if callback.on_fsdp:  # full fp32 masters, gathered one at a time: cast like FSDP casts the shards
-        for name, tensor in stream:
-            yield name, callback.export_cast(name, tensor)
+    if callback.on_fsdp:  # full fp32 masters, gathered one at a time: the bits FSDP's cast gives the shards
+        yield from callback.fsdp_export(stream)
         return
     for name, tensor in stream:
         # The parameter holds fair_cast(master) at the current version: this cast is exact.
@@ -244,8 +238,7 @@ def _save_model(original):
             return original(self, output_dir, _internal_call, *args, **kwargs)
         with callback.masters_in_params():
             result = original(self, output_dir, _internal_call, *args, **kwargs)
-        if self.args.should_save:
-            callback.save_state(output_dir if output_dir is not None else self.args.output_dir)
+        callback.save_state(output_dir if output_dir is not None else self.args.output_dir)  # every rank
         return result
 
     return save_model

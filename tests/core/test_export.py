@@ -477,3 +477,86 @@ def test_untied_head_is_cast_under_its_own_name(ckpts, tmp_path):
     save_file({"lm_head.weight": embed.clone(), "model.embed_tokens.weight": embed}, str(bare / "model.safetensors"))
     manifest = export_served(bare, tmp_path / "out", seed=SEED, version=VERSION)
     assert manifest["tensors"]["lm_head.weight"]["action"] == "cast"
+
+
+# -- per-rank FSDP states (the TRL adapter's faircast_state_rank*.pt) -------------------------------------------------
+
+
+def _rank_states(mode: str, ema_decay: float, steps: int = 3):
+    """Two 'ranks' each casting its dim-0 shard of two parameters for ``steps`` versions (as FSDP's patched cast does),
+    saved with their shard layout; and one caster doing the same on the full tensors."""
+    torch.manual_seed(0)
+    config = FairCastConfig(enabled=True, mode=mode, seed=5, ema_decay=ema_decay, backend="torch")
+    shapes = {"a.weight": (6, 4), "b.weight": (5,)}  # b: uneven shards (3 + 2 elements)
+    masters = {n: torch.randn(sh) for n, sh in shapes.items()}
+    full, ranks = FairCaster(config), [FairCaster(config), FairCaster(config)]
+    layout = []
+    for r in (0, 1):
+        lay = {}
+        for n, sh in shapes.items():
+            flat = masters[n].reshape(-1)
+            rows = (sh[0] + 1) // 2
+            row = flat.numel() // sh[0]
+            start, stop = r * rows * row, min(flat.numel(), (r + 1) * rows * row)
+            lay[n] = [start, stop - start, list(sh)]
+        layout.append(lay)
+
+    def shards(r):
+        return {n: (off, masters[n].reshape(-1)[off: off + k]) for n, (off, k, _) in layout[r].items()}
+
+    for version in range(steps):
+        if version:
+            for n in masters:
+                masters[n] += 1e-3 * torch.randn(shapes[n])
+            full.advance(masters)
+            for r in (0, 1):
+                ranks[r].advance([(n, t) for n, (_, t) in shards(r).items()])
+        expected = {n: full.cast(n, m) for n, m in masters.items()}
+        for r in (0, 1):
+            for n, (off, t) in shards(r).items():
+                ranks[r].cast(n, t, offset=off)
+    states = []
+    for r in (0, 1):
+        state = ranks[r].state_dict()
+        state["fsdp"] = {"rank": r, "world_size": 2, "shards": layout[r]}
+        states.append(state)
+    return states, masters, expected
+
+
+@pytest.mark.parametrize("mode, ema_decay", [("error_feedback", 0.0), ("stochastic", 0.5)], ids=["ef", "ema"])
+def test_merged_rank_states_export_the_full_served_copy(tmp_path, mode, ema_decay):
+    from faircast_plugins.export import merge_rank_states
+
+    states, masters, expected = _rank_states(mode, ema_decay)
+    for r, state in enumerate(states):
+        torch.save(state, tmp_path / f"faircast_state_rank0000{r}.pt")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({n: m.contiguous() for n, m in masters.items()}, ckpt / "model.safetensors")
+    export_served(ckpt, tmp_path / "served", state=str(tmp_path / "faircast_state_rank*.pt"))
+    with safe_open(tmp_path / "served" / "model.safetensors", "pt") as f:
+        for n, q in expected.items():
+            assert torch.equal(f.get_tensor(n), q), n
+    merged = merge_rank_states(states)
+    assert merged["version"] == 2
+    section = merged["error_feedback"] if mode == "error_feedback" else merged["ema"]
+    assert {n: tuple((v["residual"] if mode == "error_feedback" else v).shape) for n, v in section.items()} == {
+        "a.weight": (6, 4), "b.weight": (5,)}
+
+
+def test_merging_rank_states_refuses_what_does_not_fit():
+    from faircast_plugins.export import merge_rank_states
+
+    states, _, _ = _rank_states("error_feedback", 0.0)
+    with pytest.raises(ExportError, match="one file per rank"):
+        merge_rank_states(states[:1])
+    with pytest.raises(ExportError, match="not per-rank Fair Cast states of FSDP shards"):
+        merge_rank_states([{k: v for k, v in s.items() if k != "fsdp"} for s in states])
+    later, _, _ = _rank_states("error_feedback", 0.0, steps=4)
+    with pytest.raises(ExportError, match="disagree on version"):
+        merge_rank_states([states[0], later[1]])
+    gap = [dict(s, fsdp=dict(s["fsdp"], shards=dict(s["fsdp"]["shards"]))) for s in states]
+    off, k, sh = gap[1]["fsdp"]["shards"]["a.weight"]
+    gap[1]["fsdp"]["shards"]["a.weight"] = [off - 4, k, sh]  # overlaps rank 0's rows
+    with pytest.raises(ExportError, match="overlap"):
+        merge_rank_states(gap)

@@ -4,11 +4,16 @@ With ``faircast=True`` every forward of the policy -- generation without vLLM, o
 weights equal to ``fair_cast(full fp32 master)`` at the current weight version, the masters move off the bf16 grid,
 and a colocated vLLM engine on each rank holds the same bits after each sync (TRL's own FSDP2 gather path, cast by
 the adapter). Negative control: with Fair Cast off (audit only), FSDP and vLLM hold the round-to-nearest copy.
-Refusals (FSDP1, no bf16, error feedback, EMA, Online DPO) are checked in-process.
+Refusals (FSDP1, no bf16, Online DPO) are checked in-process.
+
+Error feedback and EMA (per-rank shard state), the export stream TRL hands the vLLM server, and resume from a
+checkpoint: one more launch of fsdp_stateful.py runs all those scenarios, checked against a single-process
+reference that replays the gathered full masters (see the second half of this file).
 """
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 import subprocess
@@ -20,7 +25,7 @@ import torch
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
 from faircast_plugins.trl import FairCastUnsupportedError
-from helpers import grpo_args, grpo_trainer
+from helpers import expected_served, grpo_args, grpo_trainer
 
 SCRIPT = Path(__file__).with_name("fsdp_grpo.py")
 SEED = 4321  # fsdp_grpo.py's faircast_seed
@@ -91,7 +96,6 @@ def test_grpo_fsdp2_checkpoint_holds_the_masters_and_exports_the_served_copy(fsd
 
     from faircast_plugins.export import export_served
     from faircast_plugins.key import canonical_name
-    from helpers import expected_served
 
     res = fsdp_runs[("stochastic", "")][0]
     ckpt = Path(res["output_dir"]) / "checkpoint-2"
@@ -153,8 +157,6 @@ def test_async_grpo_fsdp2_loss_and_stream_are_fair_cast_of_the_master(fsdp_runs)
 @pytest.mark.parametrize("flags, match", [
     (dict(fsdp_config={"version": 1}), "FSDP1 .* is refused: only FSDP2"),
     (dict(bf16=False), "needs bf16 mixed precision"),
-    (dict(faircast_mode="error_feedback"), "supports faircast_mode stochastic or nearest"),
-    (dict(faircast_ema_decay=0.9), "without faircast_ema_decay"),
 ])
 def test_fsdp_refusals(tiny_model_dir, prompts_dataset, tmp_path, flags, match):
     args = grpo_args(tmp_path, faircast=True, fsdp=True, **flags)
@@ -162,10 +164,12 @@ def test_fsdp_refusals(tiny_model_dir, prompts_dataset, tmp_path, flags, match):
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
 
-def test_fsdp2_passes_the_checks(tiny_model_dir, prompts_dataset, tmp_path):
-    """Negative control for the refusals: FSDP2 + bf16 + stochastic gets past Fair Cast's checks and reaches
-    transformers' own (one process cannot run FSDP)."""
-    args = grpo_args(tmp_path, faircast=True, fsdp=True)
+@pytest.mark.parametrize("flags", [{}, dict(faircast_mode="error_feedback"), dict(faircast_ema_decay=0.9)],
+                         ids=["stochastic", "error_feedback", "ema"])
+def test_fsdp2_passes_the_checks(tiny_model_dir, prompts_dataset, tmp_path, flags):
+    """Negative control for the refusals: FSDP2 + bf16 (stochastic, error feedback, EMA) gets past Fair Cast's checks
+    and reaches transformers' own (one process cannot run FSDP)."""
+    args = grpo_args(tmp_path, faircast=True, fsdp=True, **flags)
     with pytest.raises(ValueError, match="distributed training"):
         grpo_trainer(tiny_model_dir, prompts_dataset, args)
 
@@ -178,3 +182,209 @@ def test_online_dpo_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
     args = OnlineDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=True, faircast=True)
     with pytest.raises(FairCastUnsupportedError, match="FSDP in OnlineDPOTrainer is refused"):
         OnlineDPOTrainer(model=tiny_model_dir, reward_funcs=cat_reward, args=args, train_dataset=prompts_dataset)
+
+
+# -- every mode, the export stream, checkpoints and resume (fsdp_stateful.py, one launch) -------------------------
+
+STATEFUL_SCRIPT = Path(__file__).with_name("fsdp_stateful.py")
+MODES = ["stochastic", "error_feedback", "ema"]
+SCENARIOS = [f"{mode}:{role}" for mode in MODES for role in ("save", "resume")] + [
+    "error_feedback:nostate", "error_feedback:worldsize", "off:run", "error_feedback:async", "ema:async"]
+
+
+@pytest.fixture(scope="module")
+def stateful_runs(tiny_model_dir, tmp_path_factory):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    out = tmp_path_factory.mktemp("trl-fsdp-stateful")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), str(STATEFUL_SCRIPT),
+           tiny_model_dir, str(out)] + SCENARIOS
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return {s: [torch.load(out / f"{s.replace(':', '-')}.rank{r}.pt", weights_only=False) for r in (0, 1)]
+            for s in SCENARIOS}
+
+
+def _reference(run) -> dict:
+    """The served copy of every version, from a single-process FairCaster that casts the gathered *full* masters of
+    every version in order (error feedback: one residual per full tensor; EMA: one EMA per full tensor)."""
+    from faircast_plugins import FairCaster
+    from faircast_plugins.config import FairCastConfig
+
+    mode = "error_feedback" if run["mode"] == "error_feedback" else "stochastic"
+    caster = FairCaster(FairCastConfig(enabled=True, mode=mode, seed=run["seed"], ema_decay=run["ema_decay"],
+                                       backend="torch"))
+    expected = {}
+    for version in sorted(run["masters"]):
+        if version:
+            caster.advance(run["masters"][version])
+        expected[version] = {n: caster.cast(n, m) for n, m in run["masters"][version].items()}
+    return expected
+
+
+def _check_against(got: dict, expected: dict, versions) -> int:
+    """Every recorded tensor of every version equals the expected copy, bit for bit; returns how many were compared."""
+    assert sorted(got) == sorted(versions)
+    compared = 0
+    for version in versions:
+        for name, t in got[version].items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, expected[version][name]), (version, name)
+            compared += 1
+    return compared
+
+
+def _served_names_ok(run):
+    """Every parameter is read by a leaf-module forward at every version, except the LM head at versions without a
+    generation (the loss's fused LM head reads the weight directly; the export stream covers it there)."""
+    for version, served in run["served"].items():
+        assert set(run["masters"][version]) - set(served) <= {"lm_head.weight"}, version
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_forwards_and_export_equal_the_single_process_reference(stateful_runs, mode):
+    """GRPO on FSDP2, 4 optimizer steps: every forward's bf16 weights (generation, old log-probs, loss; both ranks)
+    and the stream TRL's server-mode sync hands the vLLM client at every version equal the reference, which is a
+    single-process FairCaster replaying the full masters -- so the per-rank shard state (EF residuals, EMA) is the
+    full-tensor state cut into shards, and the export assembled from it is exact."""
+    ranks = stateful_runs[f"{mode}:save"]
+    expected = _reference(ranks[0])
+    for res in ranks:
+        assert res["is_fsdp"] and res["world"] == 2 and res["steps"] == 4 and res["version"] == 4
+        assert res["forwards"]["grad"] == 4 and res["forwards"]["no_grad"] > 4  # loss, old log-probs, generation
+        assert res["inconsistent"] == []  # every forward of one version read the same bits
+        assert all(torch.equal(m, ranks[0]["masters"][4][n]) for n, m in res["masters"][4].items())  # one model
+        _served_names_ok(res)
+        assert _check_against(res["served"], expected, [0, 1, 2, 3]) >= 4 * 24
+    stream = ranks[0]["exported"]
+    assert _check_against(stream, expected, [0, 1, 2, 3, 4]) == 5 * 25  # rank 0 holds the client: every tensor
+    assert {dtype for _, dtype, _ in ranks[0]["metadata"]} == {"bfloat16"}
+    assert ranks[1]["exported"] == {}  # rank 1 took part in the gathers and the assembly only
+    masters = ranks[0]["masters"]
+    assert all(not torch.equal(masters[4][n], masters[0][n]) for n in masters[0])  # the optimizer moved every master
+    # the check tells this mode apart: not round-to-nearest, and (EF, EMA) not the stateless stochastic cast either
+    assert any(not torch.equal(stream[4][n], masters[4][n].to(torch.bfloat16)) for n in masters[4])
+    if mode != "stochastic":
+        stateless = {n: expected_served(m, seed=res["seed"], version=4, name=n, mode="stochastic")
+                     for n, m in masters[4].items()}
+        assert any(not torch.equal(stream[4][n], stateless[n]) for n in stateless)
+    logs = [h for h in ranks[0]["logs"] if "faircast/served_changed_frac" in h]
+    assert [h["faircast/version"] for h in logs] == [1.0, 2.0, 3.0, 4.0]  # audit on the shards, all-reduced
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_resume_serves_bit_identical_copies(stateful_runs, mode):
+    """Stopped after step 2 (full checkpoint: FSDP model + optimizer, RNG, Fair Cast state) and resumed through
+    ``resume_from_checkpoint``: the resumed run's forwards and export stream at versions 2-4 are bit-identical to the
+    straight run's."""
+    import json
+
+    straight, resumed = stateful_runs[f"{mode}:save"], stateful_runs[f"{mode}:resume"]
+    ckpt = Path(straight[0]["output_dir"]) / "checkpoint-2"
+    info = json.loads((ckpt / "faircast.json").read_text())
+    assert info["version"] == 2 and info["seed"] == straight[0]["seed"]
+    if mode == "stochastic":
+        assert (ckpt / "faircast_state.pt").is_file() and "world_size" not in info
+    else:  # per-rank state of each rank's shards
+        assert info["state"] == "faircast_state_rank*.pt" and info["world_size"] == 2
+        assert sorted(p.name for p in ckpt.glob("faircast_state*")) == [
+            "faircast_state_rank00000.pt", "faircast_state_rank00001.pt"]
+        section = "error_feedback" if mode == "error_feedback" else "ema"
+        for r in (0, 1):  # each rank holds the state of its own shards only
+            rank_state = torch.load(ckpt / f"faircast_state_rank0000{r}.pt", weights_only=True)
+            assert rank_state["fsdp"]["world_size"] == 2 and rank_state[section]
+            for name, entry in rank_state[section].items():
+                t = entry["residual"] if section == "error_feedback" else entry
+                offset, numel, shape = rank_state["fsdp"]["shards"][name]
+                assert t.numel() == numel < math.prod(shape), name
+    for a, b in zip(straight, resumed):
+        assert b["steps"] == 4 and b["version"] == 4 and b["inconsistent"] == []
+        assert sorted(b["served"]) == [2, 3]
+        for version in (2, 3, 4):
+            assert all(torch.equal(b["masters"][version][n], m) for n, m in a["masters"][version].items())
+        for version in (2, 3):
+            assert sorted(b["served"][version]) == sorted(a["served"][version])
+            assert all(torch.equal(b["served"][version][n], t) for n, t in a["served"][version].items())
+    a, b = straight[0]["exported"], resumed[0]["exported"]
+    assert sorted(b) == [2, 3, 4]
+    for version in (2, 3, 4):
+        assert sorted(b[version]) == sorted(a[version])
+        assert all(torch.equal(b[version][n], t) for n, t in a[version].items()), version
+    assert any(not torch.equal(a[4][n], a[2][n]) for n in a[2])  # the copies moved: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_checkpoint_exports_the_served_copy(stateful_runs, mode, tmp_path):
+    """``faircast export`` of the step-2 checkpoint (FSDP's full fp32 state dict + the Fair Cast state; error feedback
+    and EMA: the two per-rank files, merged) rebuilds the bf16 copy every forward of version 2 ran on, bit for bit.
+    Negative control: one rank's file alone is refused."""
+    from safetensors.torch import load_file
+
+    from faircast_plugins.export import ExportError, export_served
+    from faircast_plugins.key import canonical_name
+
+    run = stateful_runs[f"{mode}:save"][0]
+    ckpt = Path(run["output_dir"]) / "checkpoint-2"
+    state = ckpt / ("faircast_state.pt" if mode == "stochastic" else "faircast_state_rank*.pt")
+    export_served(ckpt, tmp_path / "served", state=str(state))
+    served = {canonical_name(n): t for n, t in load_file(tmp_path / "served" / "model.safetensors").items()}
+    assert sorted(served) == sorted(run["served"][2]) == sorted(run["masters"][2])
+    assert all(torch.equal(served[n], t) for n, t in run["served"][2].items())
+    if mode != "stochastic":
+        # the CLI without --state/--seed/--version finds the per-rank files through faircast.json
+        from faircast_plugins.cli import main
+
+        assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "cli"), "--quiet"]) == 0
+        cli = {canonical_name(n): t for n, t in load_file(tmp_path / "cli" / "model.safetensors").items()}
+        assert all(torch.equal(cli[n], t) for n, t in served.items())
+        with pytest.raises(ExportError, match="world size"):
+            export_served(ckpt, tmp_path / "one-rank", state=str(ckpt / "faircast_state_rank*0.pt"))  # rank 0
+
+
+def test_fsdp2_flag_off_holds_round_to_nearest(stateful_runs):
+    """Negative control (faircast off, audit on): FSDP's forwards hold round-to-nearest of the masters and TRL's
+    stream stays the fp32 masters (vLLM's copy_ then rounds to nearest)."""
+    ranks = stateful_runs["off:run"]
+    for res in ranks:
+        assert res["version"] == 4 and res["inconsistent"] == []
+        _served_names_ok(res)
+        for version, served in res["served"].items():
+            for name, t in served.items():
+                assert torch.equal(t, res["masters"][version][name].to(torch.bfloat16)), (version, name)
+    stream = ranks[0]["exported"]
+    assert sorted(stream) == [0, 1, 2, 3, 4]
+    for version, sent in stream.items():
+        masters = ranks[0]["masters"][version]
+        assert all(t.dtype == torch.float32 and torch.equal(t, masters[n]) for n, t in sent.items())
+    assert {dtype for _, dtype, _ in ranks[0]["metadata"]} == {"float32"}
+
+
+def test_fsdp2_error_feedback_resume_without_its_state_is_refused(stateful_runs):
+    """Negative controls for the resume: without the per-rank state files, or from a checkpoint written at another
+    world size, an error-feedback run refuses to start instead of restarting its residuals."""
+    for res in stateful_runs["error_feedback:nostate"]:
+        assert res["error"] and "needs this rank's Fair Cast state" in res["error"], res["error"]
+        assert f"faircast_state_rank0000{res['rank']}.pt does not exist" in res["error"]
+        assert res["served"] == {}  # refused before any forward
+    for res in stateful_runs["error_feedback:worldsize"]:
+        assert res["error"] and "at world size 2" in res["error"] and "written at world size 4" in res["error"]
+        assert res["served"] == {}
+    for res in stateful_runs["error_feedback:resume"]:  # the same checkpoint, untouched, resumes
+        assert res["error"] is None
+
+
+@pytest.mark.parametrize("mode", ["error_feedback", "ema"])
+def test_async_grpo_fsdp2_stateful_stream_equals_the_reference(stateful_runs, mode):
+    """AsyncGRPOTrainer on FSDP2 (CPU stand-ins of async_stubs.py): rank 0 streams from a thread while rank 1 walks
+    ``_streaming_iter`` on its main thread; the assembly collectives pair up, and every streamed tensor of every sync
+    (the cold one at train begin and one per step) and every loss forward equal the reference."""
+    ranks = stateful_runs[f"{mode}:async"]
+    expected = _reference(ranks[0])
+    for res in ranks:
+        assert res["trainer"] == "AsyncGRPOTrainer" and res["version"] == 3 and res["inconsistent"] == []
+        assert _check_against(res["served"], expected, [0, 1, 2]) >= 3 * 24
+    assert _check_against(ranks[0]["exported"], expected, [0, 1, 2, 3]) == 4 * 25
+    assert ranks[1]["exported"] == {}
+    assert any(not torch.equal(t, ranks[0]["masters"][3][n].to(torch.bfloat16))
+               for n, t in ranks[0]["exported"][3].items())

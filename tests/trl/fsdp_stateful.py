@@ -25,7 +25,7 @@ What is recorded, per rank, in ``OUT_DIR/<MODE>-<ROLE>.rank<R>.pt``:
 
 The test compares ``served`` and ``exported`` with a single-process reference replaying the masters.
 
-CPU shim (tests only): as in fsdp_grpo.py, accelerate's FSDP branch is finished for ``MULTI_CPU``.
+CPU shim (tests only): fsdp_cpu_shim.py finishes accelerate's FSDP branch for ``MULTI_CPU``.
 """
 import gc
 import json
@@ -43,24 +43,11 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-import accelerate.state  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 
-_original_state_init = accelerate.state.AcceleratorState.__init__
+import fsdp_cpu_shim  # noqa: E402
 
-
-def _state_init_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
-    _original_state_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-        self.distributed_type = DistributedType.FSDP
-        if self._mixed_precision != "no":
-            fsdp_plugin.set_mixed_precision(self._mixed_precision)
-        self.fsdp_plugin = fsdp_plugin
-        accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-
-accelerate.state.AcceleratorState.__init__ = _state_init_fsdp_on_cpu
+fsdp_cpu_shim.install()
 
 import faircast_plugins.trl  # noqa: E402,F401
 from datasets import Dataset  # noqa: E402

@@ -56,6 +56,44 @@ def expected_served(master: torch.Tensor, *, seed: int, version: int, name: str,
     return fair_cast(master, key=derive_key(seed, version, canonical_name(name)), mode=mode, backend="torch")
 
 
+class EngineCheck:
+    """Compares a rollout engine's weights after each weight sync with what it must serve: fair_cast(master) at the
+    trainer's current version with Fair Cast on; vLLM's round-to-nearest cast of the fp32 weights with it off.
+    Subclasses read the engine (:meth:`engine_weights`: vLLM-named bf16 tensors) and call :meth:`check` after a sync."""
+
+    def __init__(self, trainer, faircast: bool, seed: int):
+        self.trainer, self.faircast, self.seed = trainer, faircast, seed
+        self.syncs, self.mismatches, self.differs_from_rtn, self.compared = [], [], 0, 0
+
+    def engine_weights(self):
+        raise NotImplementedError
+
+    def check(self) -> None:
+        import pytest
+
+        version = self.trainer.state.global_step
+        params = named_params(self.trainer)
+        if self.faircast:
+            assert self.trainer._faircast.caster.version == version  # one weight version per optimizer step
+            masters = self.trainer._faircast.masters
+            hf = {n: expected_served(masters[n], seed=self.seed, version=version, name=n, mode="stochastic")
+                  for n in params}
+            rtn = {n: masters[n].to(torch.bfloat16) for n in params}
+        else:
+            hf = rtn = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
+        self.syncs.append(version)
+        for name, got in self.engine_weights():
+            if got.numel() == 0:
+                pytest.skip(f"vLLM repacked {name} on this host (oneDNN/AMX): its weights cannot be compared bitwise")
+            want = expected_for(name, hf)
+            got = got[: want.shape[0]]
+            self.compared += 1
+            if got.dtype != torch.bfloat16 or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                self.mismatches.append((version, name))
+            if not torch.equal(got.view(torch.int16), expected_for(name, rtn).view(torch.int16)):
+                self.differs_from_rtn += 1
+
+
 @dataclass
 class ForwardLog:
     grad: int = 0        # forwards with autograd on (the loss)

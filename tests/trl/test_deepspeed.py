@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 
 from faircast_plugins import FairCastConfig, FairCaster, fair_cast
 from faircast_plugins.export import export_served
-from helpers import expected_served
+from helpers import expected_for, expected_served
 
 SCRIPT = Path(__file__).with_name("ds_grpo.py")
 SEED = 1234
@@ -325,22 +325,12 @@ def test_continuous_batching_without_faircast_under_deepspeed_keeps_trl_behaviou
 
 
 # -- vLLM colocate under ZeRO-3 ------------------------------------------------------------------------------------
-FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
-
-
-def _hf_to_vllm(vllm_name: str, hf: dict) -> torch.Tensor:
-    for fused, parts in FUSED.items():
-        if fused in vllm_name:
-            return torch.cat([hf[vllm_name.replace(fused, part)] for part in parts], dim=0)
-    return hf[vllm_name]
-
-
 def _vllm_mismatches(sync: dict, hf: dict):
     mismatches, compared = [], 0
     for name, p in sync["vllm"].items():
         if p.numel() == 0:
             pytest.skip(f"vLLM repacked {name} on this host (oneDNN/AMX): its weights cannot be compared bitwise")
-        want = _hf_to_vllm(name, hf)
+        want = expected_for(name, hf)
         compared += 1
         if not torch.equal(p[: want.shape[0]].view(torch.int16), want.view(torch.int16)):
             mismatches.append((sync["global_step"], name))

@@ -69,11 +69,14 @@ Progress = Callable[[int, int, str], None]
 
 
 # -- Fair Cast state -----------------------------------------------------------------------------------------
-def save_state(caster: FairCaster, directory: Union[str, os.PathLike]) -> Path:
-    """Write ``caster.state_dict()`` (on CPU) as ``faircast_state.pt`` in ``directory``: records seed, version
-    and mode with a checkpoint, and the residuals / EMA that ``error_feedback`` / EMA exports need."""
-    path = Path(directory) / STATE_FILE
-    torch.save(_to_cpu(caster.state_dict()), path)
+def save_state(caster: FairCaster, directory: Union[str, os.PathLike], *, filename: str = STATE_FILE,
+               extra: Optional[Dict[str, Any]] = None) -> Path:
+    """Write ``caster.state_dict()`` (on CPU) as ``filename`` (default ``faircast_state.pt``) in ``directory``:
+    records seed, version and mode with a checkpoint, and the residuals / EMA that ``error_feedback`` / EMA exports
+    need. ``extra``: entries stored beside it (a per-rank file's sharding, which resume checks)."""
+    os.makedirs(directory, exist_ok=True)
+    path = Path(directory) / filename
+    torch.save({**_to_cpu(caster.state_dict()), **(extra or {})}, path)
     return path
 
 

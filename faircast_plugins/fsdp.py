@@ -183,7 +183,6 @@ def _param_groups(state) -> list:
     return [group] if group is not None else []
 
 
-
 def shard_offset(name: str, param) -> Tuple[int, int]:
     """``(global index of the first local element, local element count)`` of an FSDP2 parameter (a DTensor
     sharded on dim 0, the default ``Shard(0)``): ``caster.cast(name, param.to_local(), offset=...)`` then gives

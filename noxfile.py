@@ -3,6 +3,7 @@
     nox -t tests        every test session (the README's test command)
     nox -s demo         the main job: standard export vs Fair Cast on a tiny GRPO with a real vLLM engine
     nox -s bench        the rounding engine's throughput against a plain ``.to(torch.bfloat16)``
+    nox -s ab           does it help? paired A/B runs (``-- --preset cpu`` for the full CPU reproduction)
 
 torch is always pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
 """
@@ -84,6 +85,13 @@ def demo(session: nox.Session) -> None:
     """The main job: a tiny GRPO with a real vLLM engine, standard export vs Fair Cast (table + out/demo/lag.png)."""
     _trl_install(session)
     session.run("python", "examples/demo/run_demo.py", *session.posargs, env=OFFLINE_ENV)
+
+
+@nox.session(name="ab", python=PYTHON)
+def ab(session: nox.Session) -> None:
+    """Does it help? Paired A/B runs (TRL + vLLM): `nox -s ab -- --preset cpu` (default: the smoke preset)."""
+    _trl_install(session)
+    session.run("faircast", "ab", *(session.posargs or ["--preset", "smoke"]), env=OFFLINE_ENV)
 
 
 # verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus

@@ -16,7 +16,13 @@ SUBCOMMANDS = {
     "export": ("faircast_plugins.export", "write the served bf16 copy of an fp32 checkpoint at a weight version"),
     "verify": ("faircast_plugins.export", "re-derive a served-copy export and compare it bit for bit"),
     "audit": ("faircast_plugins.audit_cli", "bias of one optimizer step from bf16 weights: nearest vs stochastic"),
+    "ab": ("faircast_plugins.ab.cli", "paired A/B runs of GRPO (TRL + vLLM) that differ only in the export"),
+    "ab-stats": ("faircast_plugins.ab.cli", "the A/B's paired report from per-step metrics of runs you already made"),
 }
+
+
+def _py(name: str) -> str:
+    return name.replace("-", "_")
 
 
 def _module(name: str):
@@ -30,14 +36,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, (_, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:  # import only the module that will run
-            getattr(_module(name), f"add_{name}_arguments")(p)
+            getattr(_module(name), f"add_{_py(name)}_arguments")(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    return int(getattr(_module(args.command), f"run_{args.command}")(args) or 0)
+    return int(getattr(_module(args.command), f"run_{_py(args.command)}")(args) or 0)
 
 
 if __name__ == "__main__":

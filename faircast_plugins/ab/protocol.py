@@ -1,0 +1,120 @@
+"""The A/B protocol: everything fixed before a run (task, model, learning rate, steps, arms, seeds, metric).
+
+Presets are JSON files in ``faircast_plugins/ab/presets/`` (``smoke``, ``cpu``); ``--protocol FILE`` reads any
+other. A report records the protocol's SHA-256 and, where the file is in a git checkout, the commit that last
+changed it, so a result can be traced to the protocol that was written down before it ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .arms import parse_arm
+from .warmstart import WarmStartSpec
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+METRICS = ("served_expected", "served_greedy", "served_sampled", "master_expected", "master_greedy")
+
+
+def presets() -> List[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+@dataclass
+class Protocol:
+    name: str
+    description: str = ""
+    task: str = "add2"
+    heldout: int = 1000
+    warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)
+    model: Optional[str] = None       # a user's model directory (replaces the built-in warm start)
+    dataset: Optional[str] = None     # a user's jsonl (replaces the built-in task)
+    lr: float = 1e-6
+    steps: int = 200
+    eval_every: int = 20
+    prompts_per_step: int = 16
+    generations: int = 8
+    arms: List[str] = field(default_factory=lambda: ["standard", "faircast"])
+    seeds: List[int] = field(default_factory=lambda: [0, 1])
+    metric: str = "served_expected"
+    baseline: str = "standard"
+    pairs: List[List[str]] = field(default_factory=list)  # extra (A, B) comparisons beyond arm-vs-baseline and A/A
+    workers: int = 2
+    threads: int = 1
+    audit_sample: int = 4096
+    source: str = ""                  # where it was read from (set by load)
+
+    def __post_init__(self):
+        if isinstance(self.warmstart, dict):
+            self.warmstart = WarmStartSpec(**self.warmstart)
+        for arm in self.arms:
+            parse_arm(arm)
+        if len(set(self.arms)) != len(self.arms):
+            raise ValueError("each arm may appear once in a protocol")
+        if self.metric not in METRICS:
+            raise ValueError(f"unknown metric {self.metric!r}; one of {', '.join(METRICS)}")
+        for name in ("steps", "eval_every", "prompts_per_step", "generations", "workers", "threads", "heldout"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"protocol {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.generations < 2:
+            raise ValueError("GRPO needs at least 2 generations per prompt")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("protocol seeds must be a non-empty list of distinct integers")
+        if not self.lr > 0:
+            raise ValueError("protocol lr must be > 0")
+        for p in self.pairs:
+            if len(p) != 2 or any(a not in self.arms for a in p):
+                raise ValueError(f"protocol pair {p!r} must name two of the protocol's arms")
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def load(preset: Optional[str] = None, path: Optional[str] = None, **overrides) -> Protocol:
+    """A preset by name, or a protocol file; ``overrides`` (not None) replace fields (recorded in the report)."""
+    if (preset is None) == (path is None):
+        raise ValueError("give a preset or a protocol file (not both)")
+    if preset is not None:
+        if preset not in presets():
+            raise ValueError(f"unknown A/B preset {preset!r}; presets: {', '.join(presets())}")
+        path = os.path.join(PRESET_DIR, preset + ".json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"protocol file {path!r} does not exist")
+    with open(path) as f:
+        data = json.load(f)
+    known = {f.name for f in dataclasses.fields(Protocol)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown protocol field(s) {unknown}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    proto = Protocol(**data)
+    proto.source = os.path.abspath(path)
+    return proto
+
+
+def file_provenance(path: str) -> dict:
+    """SHA-256 of a protocol file and the git commit that last changed it (None outside git or if uncommitted)."""
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    out = {"path": path, "sha256": sha, "commit": None, "committed_unchanged": False}
+    try:
+        d = os.path.dirname(path)
+        commit = subprocess.run(["git", "log", "-1", "--format=%H", "--", path], cwd=d, capture_output=True,
+                                text=True, timeout=20).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", path], cwd=d, capture_output=True, text=True,
+                               timeout=20).stdout.strip()
+        out["commit"] = commit or None
+        out["committed_unchanged"] = bool(commit) and not dirty
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out

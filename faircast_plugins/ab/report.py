@@ -1,0 +1,208 @@
+"""The A/B report: per-run summaries, paired statistics, the lag-cost prediction, results.json, report.md, curves.png."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+from . import stats
+from .protocol import METRICS
+
+MECHANISM = ("faircast/lag_steps", "faircast/served_changed_frac", "faircast/bias_rel_cumulative")
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _tail(rows: list, frac: float = 0.2) -> list:
+    return rows[-max(1, math.ceil(len(rows) * frac - 1e-9)):] if rows else []
+
+
+def summarize_run(run: dict) -> dict:
+    """One run's final figures: each metric over the last 20% of eval points, the mechanism over the last 20% of steps."""
+    evals, steps = run["evals"], run["steps"]
+    out = {"arm": run["arm"], "seed": run["seed"], "lr": run["lr"], "wall_s": run.get("wall_s")}
+    for m in METRICS:
+        pts = [(e["step"], e[m]) for e in evals if m in e]
+        out[m] = stats.final_value(pts) if pts else float("nan")
+    tail = _tail(steps)
+    out["lag_steps"] = _mean([s.get("faircast/lag_steps") for s in tail])
+    out["lag_steps_max"] = max((s.get("faircast/lag_steps", float("-inf")) for s in steps), default=float("nan"))
+    out["served_changed_frac"] = _mean([s.get("faircast/served_changed_frac") for s in steps])
+    out["bias_rel"] = steps[-1].get("faircast/bias_rel_cumulative", float("nan")) if steps else float("nan")
+    out["reward_first"] = _mean([s["reward"] for s in steps[:max(1, len(steps) // 5)]])
+    out["reward_last"] = _mean([s["reward"] for s in tail])
+    half = evals[len(evals) // 2:]  # learning slope of the served copy over the second half of the run
+    out["slope_per_step"] = _slope([(e["step"], e["served_expected"]) for e in half])
+    return out
+
+
+def _slope(pts) -> float:
+    if len(pts) < 2:
+        return float("nan")
+    mx, my = _mean([p[0] for p in pts]), _mean([p[1] for p in pts])
+    den = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / den if den else float("nan")
+
+
+def load_runs(out: str) -> List[dict]:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out, "runs", "*", "seed*.json"))):
+        if path.endswith(".spec.json"):
+            continue
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+def lag_cost(summaries: List[dict], reference: str = "fp32-served", baseline: str = "standard") -> Optional[dict]:
+    """Does the standard export cost what a delay of its measured lag would? predicted = lag x the reference arm's
+    learning slope (per seed, then averaged); measured = reference - baseline (paired)."""
+    ref = {s["seed"]: s for s in summaries if s["arm"] == reference}
+    base = {s["seed"]: s for s in summaries if s["arm"] == baseline}
+    seeds = sorted(set(ref) & set(base))
+    if not seeds:
+        return None
+    predicted = [base[s]["lag_steps"] * ref[s]["slope_per_step"] for s in seeds]
+    measured = [ref[s]["served_expected"] - base[s]["served_expected"] for s in seeds]
+    return {"reference": reference, "baseline": baseline, "seeds": seeds, "predicted": _mean(predicted),
+            "measured": _mean(measured), "lag_steps": _mean([base[s]["lag_steps"] for s in seeds]),
+            "slope_per_step": _mean([ref[s]["slope_per_step"] for s in seeds])}
+
+
+def build(out: str, proto, provenance: dict, ws_info: Optional[dict], failed: Sequence[str], meta: dict) -> dict:
+    runs = load_runs(out)
+    summaries = [summarize_run(r) for r in runs]
+    arms = [a for a in proto.arms if any(s["arm"] == a for s in summaries)]
+    pairs = stats.default_pairs(arms, proto.baseline, extra=[tuple(p) for p in proto.pairs])
+    comparisons = {}
+    for metric in METRICS:
+        values = stats.by_arm_seed([(s["arm"], s["seed"], s[metric]) for s in summaries])
+        comparisons[metric] = [stats.compare(a, b, values).as_dict() for a, b in pairs]
+    results = {
+        "protocol": proto.as_dict(), "protocol_provenance": provenance, "warm_start": ws_info, "meta": meta,
+        "failed_runs": list(failed), "missing_runs": [f"{a} seed {s}" for a in proto.arms for s in proto.seeds
+                                                      if not any(r["arm"] == a and r["seed"] == s for r in summaries)],
+        "runs": summaries, "comparisons": comparisons, "lag_cost": lag_cost(summaries),
+        "curves": {r["arm"] + f"/seed{r['seed']}": {"evals": r["evals"], "lag": [
+            (s["step"], s.get("faircast/lag_steps")) for s in r["steps"]]} for r in runs},
+    }
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(markdown(results, proto))
+    plot(results, proto, os.path.join(out, "curves.png"))
+    return results
+
+
+def _arm_table(results: dict, proto) -> str:
+    rows = ["| arm | lr | seeds | served expected (%) | served greedy (%) | served sampled (%) | master expected (%) | "
+            "lag, steps (last 20%) | served changed / step | bias (cumulative) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in proto.arms:
+        ss = [s for s in results["runs"] if s["arm"] == arm]
+        if not ss:
+            rows.append(f"| {arm} | | 0 | (no run finished) | | | | | | |")
+            continue
+
+        def ms(key, scale=100.0):
+            xs = [s[key] for s in ss]
+            m = _mean(xs)
+            sd = stats._sd(xs) if len(xs) > 1 else float("nan")
+            return f"{scale * m:.2f} ± {scale * sd:.2f}" if not math.isnan(sd) else f"{scale * m:.2f}"
+
+        rows.append(f"| {arm} | {ss[0]['lr']:g} | {len(ss)} | {ms('served_expected')} | {ms('served_greedy')} | "
+                    f"{ms('served_sampled')} | {ms('master_expected')} | {_mean([s['lag_steps'] for s in ss]):.1f} | "
+                    f"{100 * _mean([s['served_changed_frac'] for s in ss]):.2f}% | "
+                    f"{_mean([s['bias_rel'] for s in ss]):.3f} |")
+    return "\n".join(rows)
+
+
+def markdown(results: dict, proto) -> str:
+    prov, meta, ws = results["protocol_provenance"], results["meta"], results["warm_start"]
+    lines = [f"# A/B report: {proto.name}", "",
+             f"Command: `{meta.get('command', '')}`; finished {meta.get('finished', '')}; wall time "
+             f"{meta.get('wall_min', float('nan')):.1f} min on {meta.get('machine', '')}.", "",
+             f"Protocol: `{os.path.basename(prov.get('path', ''))}`, sha256 `{prov.get('sha256', '')[:16]}`, "
+             f"commit `{prov.get('commit')}`" + ("" if prov.get("committed_unchanged") else
+                                                  " (**not committed as run: exploratory**)") + ".", ""]
+    if proto.description:
+        lines += [proto.description, ""]
+    if ws:
+        lines += [f"Warm start: {ws['parameters'] / 1e6:.1f}M-parameter Qwen3 (d={ws['spec']['hidden_size']}, "
+                  f"{ws['spec']['layers']} layers), SFT {ws['spec']['sft_steps']} steps, saved in bf16; held-out "
+                  f"expected success {100 * ws['heldout_bf16']['expected']:.1f}%, greedy "
+                  f"{100 * ws['heldout_bf16']['greedy']:.1f}%.", ""]
+    lines += [f"Every arm ran {proto.steps} GRPO steps ({proto.prompts_per_step} prompts x {proto.generations} "
+              f"samples) at lr {proto.lr:g} unless its name says otherwise, seeds {proto.seeds}; the final figure of a "
+              f"run is the mean of its last 20% of eval points (every {proto.eval_every} steps) on "
+              f"{proto.heldout} held-out prompts. Served = through the engine; master = the fp32 master.", ""]
+    if results["failed_runs"] or results["missing_runs"]:
+        lines += [f"**Runs that failed: {', '.join(results['failed_runs']) or 'none'}; missing: "
+                  f"{', '.join(results['missing_runs']) or 'none'}.**", ""]
+    lines += ["## Every arm (mean ± sd over seeds)", "", _arm_table(results, proto), ""]
+    for metric, title in (("served_expected", "primary: exact expected success of the served copy"),
+                          ("served_greedy", "greedy success of the served copy"),
+                          ("served_sampled", "sampled success of the served copy (temperature 1)"),
+                          ("master_expected", "exact expected success of the fp32 master")):
+        res = [stats.PairResult(**{k: v for k, v in c.items() if k != "ci_contains_zero"})
+               for c in results["comparisons"][metric]]
+        lines += [f"## Paired: {title}", "", stats.table(res), ""]
+    aa = next((c for c in results["comparisons"][proto.metric] if c["a"] == "faircast-aa"), None)
+    if aa:
+        lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa['mean_diff']:+.3f} points, 95% CI "
+                  f"[{100 * aa['ci_low']:+.3f}, {100 * aa['ci_high']:+.3f}], "
+                  f"{'contains' if aa['ci_contains_zero'] else '**does not contain**'} 0; its sd of paired "
+                  f"differences ({100 * aa['sd_diff']:.3f} points) is the noise floor for the pairs above.", ""]
+    lc = results.get("lag_cost")
+    if lc:
+        lines += ["## Lag cost: is the standard export a delayed policy?", "",
+                  f"Predicted cost = standard's lag ({lc['lag_steps']:.1f} steps) x {lc['reference']}'s learning slope "
+                  f"over the second half ({100 * lc['slope_per_step']:.4f} points/step) = "
+                  f"{100 * lc['predicted']:.3f} points; measured {lc['reference']} - standard = "
+                  f"{100 * lc['measured']:.3f} points.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, proto, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    for arm in proto.arms:
+        curves = [c for k, c in results["curves"].items() if k.rsplit("/", 1)[0] == arm]
+        if not curves:
+            continue
+        steps = sorted({e["step"] for c in curves for e in c["evals"]})
+        mean, band = [], []
+        for st in steps:
+            xs = [100 * e["served_expected"] for c in curves for e in c["evals"] if e["step"] == st]
+            m = _mean(xs)
+            se = stats._sd(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+            mean.append(m)
+            band.append(1.96 * se)
+        (line,) = ax1.plot(steps, mean, label=arm, linewidth=1.5)
+        ax1.fill_between(steps, [m - b for m, b in zip(mean, band)], [m + b for m, b in zip(mean, band)],
+                         color=line.get_color(), alpha=0.15)
+        lag_steps = sorted({s for c in curves for s, v in c["lag"] if v is not None})
+        lag = [_mean([v for c in curves for s, v in c["lag"] if s == st and v is not None]) for st in lag_steps]
+        ax2.plot(lag_steps, lag, label=arm, color=line.get_color(), linewidth=1.2)
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylabel("served copy: expected held-out success (%)")
+    ax1.set_title(f"{proto.name}: mean and 95% band over seeds")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("what the engine holds trails the master by (steps)")
+    ax2.axhline(0, color="grey", linewidth=0.6)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True

@@ -1,0 +1,156 @@
+"""Runs an A/B protocol: the warm start, then every (arm, seed) as its own process, a few at a time.
+
+Each run writes ``runs/<arm>/seed<N>.json`` (and its log beside it) when it ends; a finished run whose spec is
+unchanged is not run again, so an interrupted A/B resumes where it stopped. A run that fails is reported, never
+dropped: the A/B exits non-zero and the report lists it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .protocol import Protocol
+from .task import load_jsonl, task_problems
+from .warmstart import warm_start
+
+
+def check_causal_lm(path: str) -> None:
+    """A clear error unless ``path`` is a local Hugging Face causal-LM directory with a tokenizer."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--model {path!r} is not a directory (a local Hugging Face model directory)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {path!r} is not a Hugging Face model directory: {e}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"--model {path!r} is a {config.model_type!r} model, not a causal LM (GRPO needs one)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"--model {path!r} has no tokenizer files")
+
+
+def prepare(proto: Protocol, out: str, log: Callable[[str], None]) -> Tuple[str, list, list, Optional[dict]]:
+    """The model directory and the (train, held-out) problems of the protocol."""
+    if proto.dataset:
+        train, heldout = load_jsonl(proto.dataset, proto.heldout, seed=0)
+    else:
+        train, heldout = task_problems(proto.task, proto.warmstart.seed, proto.heldout)
+    if proto.model:
+        check_causal_lm(proto.model)
+        return proto.model, train, heldout, None
+    if proto.dataset:
+        raise ValueError("--dataset needs --model (the built-in warm start is trained on the built-in task)")
+    path = warm_start(os.path.join(out, "cache"), proto.warmstart, log)
+    with open(os.path.join(path, "warmstart.json")) as f:
+        return path, train, heldout, json.load(f)
+
+
+def run_spec(proto: Protocol, arm: str, seed: int, model: str, train, heldout, out: str) -> dict:
+    return {
+        "arm": arm, "seed": seed, "lr": proto.lr, "model": model, "steps": proto.steps, "eval_every": proto.eval_every,
+        "prompts_per_step": proto.prompts_per_step, "generations": proto.generations, "threads": proto.threads,
+        "audit_sample": proto.audit_sample, "train": [asdict(p) for p in train], "heldout": [asdict(p) for p in heldout],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec_digest(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Grid:
+    """Runs the jobs with a pool of worker processes; relays their progress lines."""
+
+    def __init__(self, out: str, workers: int, log: Callable[[str], None], python: str = sys.executable):
+        self.out, self.workers, self.log, self.python = out, workers, log, python
+        self.lock = threading.Lock()
+        self.done = 0
+        self.total = 0
+        self.start = time.time()
+        self.failed: List[str] = []
+
+    def _say(self, msg: str) -> None:
+        with self.lock:
+            self.log(msg)
+
+    def _run(self, name: str, spec: dict) -> None:
+        run_dir = os.path.join(self.out, "runs", spec["arm"])
+        os.makedirs(run_dir, exist_ok=True)
+        base = os.path.join(run_dir, f"seed{spec['seed']}")
+        spec = {**spec, "workdir": base + ".work", "digest": spec_digest(spec)}
+        with open(base + ".spec.json", "w") as f:
+            json.dump(spec, f)
+        t0 = time.time()
+        rc = self._attempt(base)
+        if rc != 0:  # one retry: parallel runs on one host can lose a rendezvous-port race
+            os.replace(base + ".log", base + ".failed.log")
+            self._say(f"{name} failed (exit {rc}; log kept in {base}.failed.log); retrying once")
+            rc = self._attempt(base)
+        with self.lock:
+            self.done += 1
+            elapsed = time.time() - self.start
+            eta = elapsed / self.done * (self.total - self.done)
+            if rc != 0:
+                self.failed.append(name)
+                self.log(f"FAILED {name} (exit {rc}); log: {base}.log")
+            self.log(f"[{self.done}/{self.total}] {name} finished in {time.time() - t0:.0f} s; "
+                     f"elapsed {elapsed / 60:.1f} min, about {eta / 60:.1f} min left")
+
+    def _attempt(self, base: str) -> int:
+        with open(base + ".spec.json") as f:
+            threads = str(json.load(f)["threads"])
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # the engine's own rendezvous
+        with open(base + ".log", "w") as logf:
+            proc = subprocess.Popen([self.python, "-m", "faircast_plugins.ab.run_one", base + ".spec.json",
+                                     base + ".json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=env)
+            for line in proc.stdout:
+                logf.write(line)
+                if line.startswith("  ["):
+                    self._say(line.rstrip())
+            return proc.wait()
+
+    def run(self, jobs: Dict[str, dict]) -> List[str]:
+        todo = {}
+        for name, spec in jobs.items():
+            path = os.path.join(self.out, "runs", spec["arm"], f"seed{spec['seed']}.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    if json.load(f).get("spec", {}).get("digest") == spec_digest(spec):
+                        continue  # finished before with the same spec: resume past it
+            todo[name] = spec
+        if len(todo) < len(jobs):
+            self.log(f"resuming: {len(jobs) - len(todo)} of {len(jobs)} runs already finished")
+        self.total = len(todo)
+        with ThreadPoolExecutor(self.workers) as pool:
+            list(pool.map(lambda item: self._run(*item), todo.items()))
+        return self.failed
+
+
+def run_ab(proto: Protocol, out: str, log: Callable[[str], None] = print) -> Tuple[List[str], Optional[dict], str]:
+    """Run every (arm, seed) of ``proto`` under ``out``; returns (failed runs, warm-start info, model dir)."""
+    os.makedirs(out, exist_ok=True)
+    model, train, heldout, ws_info = prepare(proto, out, log)
+    jobs = {f"{arm} seed {seed}": run_spec(proto, arm, seed, model, train, heldout, out)
+            for seed in proto.seeds for arm in proto.arms}  # seed-major: partial results stay paired
+    log(f"A/B '{proto.name}': {len(proto.arms)} arms x {len(proto.seeds)} seeds, {proto.steps} steps each at lr "
+        f"{proto.lr:g}, {proto.workers} at a time")
+    failed = Grid(out, proto.workers, log).run(jobs)
+    return failed, ws_info, model

@@ -1,0 +1,103 @@
+"""The A/B's warm start: a small Qwen3 trained here by SFT from a fixed seed, saved in bf16 like real checkpoints.
+
+Saved in bf16, so the fp32 masters of every arm start on the bf16 grid (as when a run loads a released model).
+The result is cached under ``out/`` by the spec's hash: every arm and seed of an A/B starts from the same file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .scoring import encode, score_model
+from .task import build_char_tokenizer, task_problems
+
+
+@dataclass(frozen=True)
+class WarmStartSpec:
+    task: str = "add2"
+    hidden_size: int = 256
+    layers: int = 2
+    heads: int = 4
+    sft_steps: int = 175
+    sft_batch: int = 256
+    sft_lr: float = 1e-3
+    seed: int = 0
+    heldout: int = 1000
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_model(spec: WarmStartSpec, vocab_size: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if spec.hidden_size % spec.heads:
+        raise ValueError(f"hidden_size {spec.hidden_size} is not a multiple of heads {spec.heads}")
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=4 * spec.hidden_size,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+        head_dim=spec.hidden_size // spec.heads, max_position_embeddings=64, tie_word_embeddings=False,
+        eos_token_id=0, pad_token_id=0, bos_token_id=None,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen3ForCausalLM(config)
+
+
+def sft(model, tokenizer, spec: WarmStartSpec, log: Callable[[str], None] = print) -> dict:
+    """Plain fp32 SFT on the training problems' answers (loss on the answer tokens only)."""
+    train, heldout = task_problems(spec.task, spec.seed, spec.heldout)
+    enc = encode(tokenizer, train)
+    rows = [p + a for p, a in zip(enc.prompt_ids, enc.answer_ids)]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("the built-in SFT expects equal-length problems")
+    ids = torch.tensor(rows)
+    n_ans = len(enc.answer_ids[0])
+    gen = torch.Generator().manual_seed(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    model.train()
+    start = time.time()
+    for step in range(1, spec.sft_steps + 1):
+        batch = ids[torch.randint(len(ids), (spec.sft_batch,), generator=gen)]
+        logits = model(input_ids=batch).logits[:, -n_ans - 1:-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, -n_ans:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == spec.sft_steps:
+            log(f"  warm start SFT step {step}/{spec.sft_steps}  loss {loss.item():.3f}  ({time.time() - start:.0f} s)")
+    return score_model(model, encode(tokenizer, heldout))
+
+
+def warm_start(root: str, spec: WarmStartSpec, log: Callable[[str], None] = print) -> str:
+    """The warm-start model directory for ``spec`` under ``root`` (built once, then reused)."""
+    path = os.path.join(root, f"warmstart-{spec.task}-{spec.digest()}")
+    info_file = os.path.join(path, "warmstart.json")
+    if os.path.isfile(info_file):
+        return path
+    log(f"building the warm start ({spec.task}, d={spec.hidden_size}, {spec.layers} layers, SFT {spec.sft_steps} steps)")
+    tmp = path + f".tmp{os.getpid()}"
+    tokenizer = build_char_tokenizer(tmp)
+    model = build_model(spec, len(tokenizer))
+    fp32_scores = sft(model, tokenizer, spec, log)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp)
+    bf16_scores = score_model(model.float(), encode(tokenizer, task_problems(spec.task, spec.seed, spec.heldout)[1]))
+    info = {"spec": asdict(spec), "heldout_fp32": fp32_scores, "heldout_bf16": bf16_scores,
+            "parameters": sum(p.numel() for p in model.parameters())}
+    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, path)
+    log(f"warm start: {info['parameters'] / 1e6:.1f}M parameters, held-out expected success "
+        f"{bf16_scores['expected']:.3f}, greedy {bf16_scores['greedy']:.3f} (bf16)")
+    return path
+
+
+def warm_start_info(path: str) -> Optional[dict]:
+    f = os.path.join(path, "warmstart.json")
+    return json.load(open(f)) if os.path.isfile(f) else None

@@ -1,0 +1,161 @@
+"""The A/B's statistics, arms, protocols and task files (no trainer needed)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from faircast_plugins.ab import stats
+from faircast_plugins.ab.arms import AA_SEED_OFFSET, parse_arm
+from faircast_plugins.ab.protocol import load, presets
+from faircast_plugins.ab.task import add2_problems, load_jsonl, make_reward, task_problems
+from faircast_plugins.cli import main as faircast
+
+
+def test_sign_test_is_exact():
+    assert stats.sign_test_p(6, 0) == pytest.approx(2 / 64)
+    assert stats.sign_test_p(5, 0) == pytest.approx(2 / 32)
+    assert stats.sign_test_p(3, 3) == 1.0
+    assert stats.sign_test_p(0, 0) == 1.0
+    assert stats.sign_test_p(9, 1) == pytest.approx(2 * 11 / 1024)
+
+
+def test_compare_counts_wins_and_gives_a_bootstrap_interval_around_the_mean():
+    values = {"a": {s: 0.5 + 0.01 * s + 0.002 for s in range(8)}, "b": {s: 0.5 + 0.01 * s for s in range(8)}}
+    values["a"][3] = values["b"][3]  # one tie
+    r = stats.compare("a", "b", values)
+    assert (r.n, r.wins, r.ties, r.losses) == (8, 7, 1, 0)
+    assert r.mean_diff == pytest.approx(0.002 * 7 / 8)
+    assert r.ci_low <= r.mean_diff <= r.ci_high and not r.ci_contains_zero
+    assert r.sign_p == pytest.approx(2 / 128)
+    assert r.sd_a > 10 * r.sd_diff  # what pairing buys: the arms' spread dwarfs the paired differences'
+
+
+def test_compare_uses_only_seeds_both_arms_ran_and_null_pairs_straddle_zero():
+    values = {"a": {0: 1.0, 1: 2.0, 2: 0.0, 3: 5.0}, "b": {0: 2.0, 1: 1.0, 2: 1.0, 3: 4.0, 9: 0.0}}
+    r = stats.compare("a", "b", values)
+    assert r.n == 4 and r.ci_contains_zero and r.sign_p == 1.0
+    with pytest.raises(ValueError, match="no results for arm 'c'"):
+        stats.compare("c", "b", values)
+
+
+def test_final_value_is_the_mean_of_the_last_fifth_of_points():
+    pts = [(s, float(s)) for s in range(10, 110, 10)]  # 10 points: the last 2
+    assert stats.final_value(pts) == 95.0
+    assert stats.final_value(pts[:3]) == 30.0  # at least one point
+    assert stats.final_value(list(reversed(pts))) == 95.0
+
+
+def test_default_pairs_put_the_aa_control_first():
+    pairs = stats.default_pairs(["standard", "faircast", "faircast-aa", "fp32-served"])
+    assert pairs == [("faircast-aa", "faircast"), ("faircast", "standard"), ("fp32-served", "standard")]
+
+
+@pytest.mark.parametrize("name", ["standard", "faircast", "faircast-ef", "fp32-served", "fp32-delayed@20",
+                                  "standard@lr=3e-6", "faircast@lr=1e-7", "export-only", "loss-only", "faircast-aa"])
+def test_arms_parse(name):
+    assert parse_arm(name).name == name
+
+
+def test_arm_semantics():
+    assert parse_arm("fp32-delayed@20").delay == 20 and parse_arm("fp32-delayed@20").engine_dtype == "float32"
+    assert parse_arm("standard@lr=3e-6").lr == 3e-6 and not parse_arm("standard@lr=3e-6").faircast
+    assert parse_arm("faircast-aa").seed_offset == AA_SEED_OFFSET
+    assert parse_arm("loss-only").faircast and parse_arm("loss-only").mode == "nearest"
+    assert not parse_arm("export-only").faircast and parse_arm("export-only").export == "stochastic"
+
+
+@pytest.mark.parametrize("name, match", [
+    ("nope", "unknown A/B arm 'nope'"), ("standard@lr=x", "not lr=<number>"), ("standard@lr=-1", "must be > 0"),
+    ("fp32-delayed", "give the delay"), ("standard@7", "unknown modifier"), ("", "non-empty"),
+])
+def test_bad_arms_get_a_clear_error(name, match):
+    with pytest.raises(ValueError, match=match):
+        parse_arm(name)
+
+
+def test_presets_load_and_bad_protocols_are_refused(tmp_path):
+    assert {"smoke", "cpu"} <= set(presets())
+    for name in presets():
+        proto = load(preset=name)
+        assert "standard" in proto.arms and proto.source.endswith(name + ".json")
+    with pytest.raises(ValueError, match="unknown A/B preset 'huge'"):
+        load(preset="huge")
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"name": "x", "arms": ["standard"], "stepz": 3}))
+    with pytest.raises(ValueError, match="unknown protocol field"):
+        load(path=str(bad))
+    bad.write_text(json.dumps({"name": "x", "arms": ["standard", "bogus"]}))
+    with pytest.raises(ValueError, match="unknown A/B arm 'bogus'"):
+        load(path=str(bad))
+    assert load(preset="smoke", steps=9).steps == 9
+
+
+def test_add2_task_and_reward():
+    train, held = add2_problems(seed=0, heldout=1000)
+    assert len(train) == 9000 and len(held) == 1000 and not {p.prompt for p in train} & {p.prompt for p in held}
+    p = held[0]
+    a, b = map(int, p.prompt[:-1].split("+"))
+    assert p.answer == f"{a + b:03d}"
+    reward = make_reward({p.prompt: p.answer})
+    assert reward([p.prompt, p.prompt], [p.answer, "000" if p.answer != "000" else "001"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="unknown A/B task 'chess'"):
+        task_problems("chess")
+
+
+def test_jsonl_dataset_needs_prompt_and_answer(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    train, held = load_jsonl(str(good), heldout=3)
+    assert len(train) == 7 and len(held) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "q", "solution": "1"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: .*'prompt' and 'answer'.*answer"):
+        load_jsonl(str(bad), heldout=0)
+    with pytest.raises(ValueError, match="holds out 10"):
+        load_jsonl(str(good), heldout=10)
+    with pytest.raises(FileNotFoundError):
+        load_jsonl(str(tmp_path / "none.jsonl"), heldout=1)
+
+
+def _write_run(path, values, fmt):
+    if fmt == "csv":
+        path.write_text("step,eval/success,faircast/lag_steps\n" + "".join(f"{s},{v},{l}\n" for s, v, l in values))
+    else:
+        path.write_text("".join(json.dumps({"trainer/global_step": s, "eval/success": v, "faircast/lag_steps": l})
+                                + "\n" for s, v, l in values))
+
+
+def test_ab_stats_reads_runs_from_a_logger(tmp_path, capsys):
+    runs = []
+    for seed in range(6):
+        for arm, bump, fmt in (("standard", 0.0, "jsonl"), ("faircast", 0.01, "csv")):
+            f = tmp_path / f"{arm}{seed}.{fmt}"
+            _write_run(f, [(s, 0.3 + 0.001 * s + 0.01 * seed + bump, 10.0 if arm == "standard" else 0.0)
+                           for s in range(0, 100, 10)], fmt)
+            runs += ["--run", f"{arm}:{seed}:{f}"]
+    assert faircast(["ab-stats", "--metric", "eval/success", *runs]) == 0
+    out = capsys.readouterr().out
+    assert "| faircast vs standard | 6 | 6/0/0 | +0.010 |" in out and "0.0312" in out
+    assert "standard: 6 seeds" in out and "lag 10.0 steps" in out
+
+
+def test_ab_stats_bad_input_is_a_clear_error(tmp_path):
+    f = tmp_path / "r.jsonl"
+    _write_run(f, [(0, 0.1, 0.0)], "jsonl")
+    with pytest.raises(SystemExit, match="no values of 'eval/acc'"):
+        faircast(["ab-stats", "--metric", "eval/acc", "--run", f"standard:0:{f}"])
+    with pytest.raises(SystemExit, match="ARM:SEED:FILE"):
+        faircast(["ab-stats", "--metric", "eval/success", "--run", f"standard:{f}"])
+    with pytest.raises(SystemExit, match="two results for arm 'standard' seed 0"):
+        faircast(["ab-stats", "--metric", "eval/success", "--run", f"standard:0:{f}", "--run", f"standard:0:{f}"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        faircast(["ab-stats", "--metric", "x", "--run", f"standard:0:{tmp_path}/none.jsonl"])
+    with pytest.raises(SystemExit, match="unknown A/B preset"):
+        faircast(["ab", "--preset", "huge"])
+    with pytest.raises(SystemExit, match="unknown A/B arm"):
+        faircast(["ab", "--preset", "smoke", "--arms", "standard,bogus"])
+    with pytest.raises(SystemExit, match="--dataset needs --model"):
+        faircast(["ab", "--preset", "smoke", "--dataset", str(f)])
+    assert math.isnan(stats.bootstrap_ci([])[0])

@@ -42,15 +42,16 @@ def check_causal_lm(path: str) -> None:
 
 def prepare(proto: Protocol, out: str, log: Callable[[str], None]) -> Tuple[str, list, list, Optional[dict]]:
     """The model directory and the (train, held-out) problems of the protocol."""
+    if proto.model:
+        check_causal_lm(proto.model)
+    elif proto.dataset:
+        raise ValueError("--dataset needs --model (the built-in warm start is trained on the built-in task)")
     if proto.dataset:
         train, heldout = load_jsonl(proto.dataset, proto.heldout, seed=0)
     else:
         train, heldout = task_problems(proto.task, proto.warmstart.seed, proto.heldout)
     if proto.model:
-        check_causal_lm(proto.model)
         return proto.model, train, heldout, None
-    if proto.dataset:
-        raise ValueError("--dataset needs --model (the built-in warm start is trained on the built-in task)")
     path = warm_start(os.path.join(out, "cache"), proto.warmstart, log)
     with open(os.path.join(path, "warmstart.json")) as f:
         return path, train, heldout, json.load(f)

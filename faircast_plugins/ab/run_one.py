@@ -100,7 +100,8 @@ class EngineEval:
         from vllm import SamplingParams
 
         self.trainer, self.enc, self.seed = trainer, enc, seed
-        self.master_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        device = next(trainer.accelerator.unwrap_model(trainer.model).parameters()).device
+        self.master_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.scored = [{"prompt_token_ids": p + a} for p, a in zip(enc.prompt_ids, enc.answer_ids)]
         self.prompts = [{"prompt_token_ids": p} for p in enc.prompt_ids]
         self.n_ans = [len(a) for a in enc.answer_ids]
@@ -161,13 +162,14 @@ def run(spec: dict) -> dict:
         return engine_llm(*args, **{**kwargs, "seed": seed, "dtype": arm.engine_dtype})
 
     vllm_generation.LLM = llm_for_arm
+    cuda = torch.cuda.is_available()  # on GPUs: bf16 compute, as real runs use; on CPU: fp32 compute
     steps, eval_every = int(spec["steps"]), int(spec["eval_every"])
     label = f"{arm.name} seed {seed}"
     config = GRPOConfig(
         output_dir=os.path.join(spec["workdir"], "trl"), max_steps=steps, learning_rate=lr,
         lr_scheduler_type="constant", warmup_steps=0, per_device_train_batch_size=spec["prompts_per_step"] *
         spec["generations"], num_generations=spec["generations"], max_completion_length=n_answer_tokens,
-        temperature=1.0, beta=0.0, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+        temperature=1.0, beta=0.0, use_cpu=not cuda, bf16=cuda, report_to="none", save_strategy="no", logging_steps=1,
         seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
         faircast=arm.faircast, faircast_mode=arm.mode, faircast_seed=fc_seed, faircast_audit=False,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -65,6 +66,15 @@ def run_spec(proto: Protocol, arm: str, seed: int, model: str, train, heldout, o
     }
 
 
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,6 +95,10 @@ class Grid:
         self.total = 0
         self.start = time.time()
         self.failed: List[str] = []
+        self.slots: "queue.Queue[int]" = queue.Queue()
+        for i in range(workers):
+            self.slots.put(i)
+        self.gpus = _gpu_count()
 
     def _say(self, msg: str) -> None:
         with self.lock:
@@ -118,6 +132,15 @@ class Grid:
             threads = str(json.load(f)["threads"])
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # the engine's own rendezvous
+        slot = self.slots.get()
+        try:
+            if self.gpus >= self.workers:  # one GPU per worker
+                env["CUDA_VISIBLE_DEVICES"] = str(slot)
+            return self._spawn(base, env)
+        finally:
+            self.slots.put(slot)
+
+    def _spawn(self, base: str, env: dict) -> int:
         with open(base + ".log", "w") as logf:
             proc = subprocess.Popen([self.python, "-m", "faircast_plugins.ab.run_one", base + ".spec.json",
                                      base + ".json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -100,6 +100,8 @@ def add_ab_stats_arguments(p) -> None:
     p.add_argument("--baseline", default="standard", help="the arm every other arm is compared with")
     p.add_argument("--pair", action="append", default=[], metavar="A,B", help="an extra comparison (repeatable)")
     p.add_argument("--tail", type=float, default=0.2, help="final figure = mean of the last TAIL of points (0.2)")
+    p.add_argument("--reward-key", default="reward",
+                   help="the training reward column, for the lag-cost estimate where runs logged faircast/lag_steps")
     p.add_argument("--step-key", help=f"the step column (default: the first of {', '.join(STEP_KEYS)} present)")
 
 
@@ -139,7 +141,9 @@ def _points(rows: List[dict], metric: str, step_key: Optional[str], path: str) -
 
 
 def run_ab_stats(args) -> int:
-    finals, lags = [], []
+    from .report import live_lag_cost
+
+    finals, lags, costs = [], [], []
     for item in args.run:
         try:
             arm, seed, path = item.split(":", 2)
@@ -151,6 +155,9 @@ def run_ab_stats(args) -> int:
         lag = [p for p in _lag_points(rows, args.step_key)]
         if lag:
             lags.append((arm, seed, stats.final_value(lag, args.tail)))
+        cost = live_lag_cost(_reward_lag_rows(rows, args.step_key, args.reward_key))
+        if cost:
+            costs.append((arm, seed, stats.final_value(cost, args.tail)))
     try:
         values = stats.by_arm_seed(finals)
     except ValueError as e:
@@ -169,11 +176,20 @@ def run_ab_stats(args) -> int:
     for arm in arms:
         xs = list(values[arm].values())
         lag = [v for a, _, v in lags if a == arm]
+        cost = [v for a, _, v in costs if a == arm]
         print(f"  {arm}: {len(xs)} seeds, mean {sum(xs) / len(xs):.4f}"
-              + (f", lag {sum(lag) / len(lag):.1f} steps" if lag else ""))
+              + (f", lag {sum(lag) / len(lag):.1f} steps" if lag else "")
+              + (f", lag cost {sum(cost) / len(cost):+.4f} {args.reward_key} (lag x its slope)" if cost else ""))
     print()
     print(stats.table([stats.compare(a, b, values) for a, b in pairs], scale=1.0, unit=args.metric))
     return 0
+
+
+def _reward_lag_rows(rows, step_key, reward_key):
+    key = step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+    num = (lambda v: float(v) if isinstance(v, (int, float)) else None)
+    return [(float(r[key]), num(r.get(reward_key)), num(r.get("faircast/lag_steps")))
+            for r in rows if key and r.get(key) is not None]
 
 
 def _lag_points(rows, step_key):

@@ -123,8 +123,8 @@ def _write_run(path, values, fmt):
     if fmt == "csv":
         path.write_text("step,eval/success,faircast/lag_steps\n" + "".join(f"{s},{v},{l}\n" for s, v, l in values))
     else:
-        path.write_text("".join(json.dumps({"trainer/global_step": s, "eval/success": v, "faircast/lag_steps": l})
-                                + "\n" for s, v, l in values))
+        path.write_text("".join(json.dumps({"trainer/global_step": s, "eval/success": v, "faircast/lag_steps": l,
+                                            "reward": 0.002 * s}) + "\n" for s, v, l in values))
 
 
 def test_ab_stats_reads_runs_from_a_logger(tmp_path, capsys):
@@ -133,12 +133,13 @@ def test_ab_stats_reads_runs_from_a_logger(tmp_path, capsys):
         for arm, bump, fmt in (("standard", 0.0, "jsonl"), ("faircast", 0.01, "csv")):
             f = tmp_path / f"{arm}{seed}.{fmt}"
             _write_run(f, [(s, 0.3 + 0.001 * s + 0.01 * seed + bump, 10.0 if arm == "standard" else 0.0)
-                           for s in range(0, 100, 10)], fmt)
+                           for s in range(0, 600, 10)], fmt)
             runs += ["--run", f"{arm}:{seed}:{f}"]
     assert faircast(["ab-stats", "--metric", "eval/success", *runs]) == 0
     out = capsys.readouterr().out
     assert "| faircast vs standard | 6 | 6/0/0 | +0.010 |" in out and "0.0312" in out
     assert "standard: 6 seeds" in out and "lag 10.0 steps" in out
+    assert "lag cost +0.0200 reward" in out  # lag 10 x reward slope 0.002 per step (the jsonl runs log a reward)
 
 
 def test_ab_stats_bad_input_is_a_clear_error(tmp_path):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .arms import parse_arm
+from .task import TASKS
 from .warmstart import WarmStartSpec
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
@@ -56,6 +57,8 @@ class Protocol:
             parse_arm(arm)
         if len(set(self.arms)) != len(self.arms):
             raise ValueError("each arm may appear once in a protocol")
+        if not self.dataset and self.task not in TASKS:
+            raise ValueError(f"unknown A/B task {self.task!r}; built in: {', '.join(TASKS)} (or --dataset FILE.jsonl)")
         if self.metric not in METRICS:
             raise ValueError(f"unknown metric {self.metric!r}; one of {', '.join(METRICS)}")
         for name in ("steps", "eval_every", "prompts_per_step", "generations", "workers", "threads", "heldout"):

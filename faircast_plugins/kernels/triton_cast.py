@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "faircast_plugins.kernels.triton_cast needs triton: pip install 'faircast-plugins[triton]'"
     ) from exc
 
-MODE_IDS = {"stochastic": 0, "nearest": 1, "error_feedback": 2}
+MODE_IDS = {"stochastic": 0, "sticky": 0, "nearest": 1, "error_feedback": 2}  # sticky: stochastic, version-free key
 N_ROUNDS = 10
 DEFAULT_ROWS = 256  # 2048 elements per program on a GPU
 DEFAULT_NUM_WARPS = 4
@@ -326,7 +326,8 @@ def prepare(items: Sequence, mode: str, *, rows: Optional[int] = None,
 def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_warps: Optional[int] = None) -> None:
     """Cast every :class:`faircast_plugins.cast.CastItem` (flat fp32 ``x`` -> flat bf16 ``out``) in ONE launch.
 
-    ``mode`` is ``"stochastic"``, ``"nearest"`` or ``"error_feedback"`` (which updates each ``residual`` in place).
+    ``mode`` is ``"stochastic"``, ``"sticky"`` (the same kernel: the key carries the difference), ``"nearest"`` or
+    ``"error_feedback"`` (which updates each ``residual`` in place).
     ``rows`` is the tile height (a power of two; a tile is ``rows * 8`` elements); it changes speed, never bits.
     """
     prepare(items, mode, rows=rows, num_warps=num_warps)()

@@ -103,14 +103,18 @@ def _nearest_bits(u):
 def _cast_tile(x_ptr, out_ptr, res_ptr, local, mask, groups, k0, k1, MODE: tl.constexpr, N_ROUNDS: tl.constexpr):
     """Cast one [ROWS, 8] tile: ``local`` are element indices within the tensor, ``groups`` the rows' global groups."""
     x = tl.load(x_ptr + local, mask=mask, other=0.0)
-    if MODE == 2:  # error feedback: s = x + r; q = nearest(s); r = s - q, or 0 where s is not finite
+    if MODE == 2:  # error feedback, ROUNDING.md §4
         r = tl.load(res_ptr + local, mask=mask, other=0.0)
-        s = x + r
-        su = s.to(tl.uint32, bitcast=True)
-        bits = _nearest_bits(su)
+        r = tl.where((r.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000, 0.0, r)  # non-finite r counts as 0
+        s = x + r  # finite or +-inf when x is finite; a NaN s (x not finite) is never read below
+        bits = _nearest_bits(s.to(tl.uint32, bitcast=True))
+        saturated = (bits & 0x7FFF) >= 0x7F80  # rounds past the largest finite bf16, or overflowed
+        bits = tl.where(saturated, (bits & 0x8000) | 0x7F7F, bits)
         q = (bits << 16).to(tl.float32, bitcast=True)
-        finite = (su & 0x7F800000) != 0x7F800000
-        tl.store(res_ptr + local, tl.where(finite, s - q, 0.0), mask=mask)
+        xu = x.to(tl.uint32, bitcast=True)
+        x_special = (xu & 0x7FFFFFFF) >= 0x7F800000
+        bits = tl.where(x_special, _nearest_bits(xu), bits)  # inf or NaN master: served from its own bits
+        tl.store(res_ptr + local, tl.where(saturated | x_special, 0.0, s - q), mask=mask)
     elif MODE == 0:
         bits = _stochastic_bits(x.to(tl.uint32, bitcast=True), _noise16(groups, k0, k1, N_ROUNDS))
     else:

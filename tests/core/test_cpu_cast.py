@@ -322,8 +322,9 @@ def test_fair_cast_many_matches_per_item_reference():
     xs = [mixed(n // 7 + 1, seed=n)[:n] for n in (1, 9, 2048, 5000, 33333)]
     keys = [derive_key(1, 2, f"p{i}") for i in range(len(xs))]
     offs = [0, 3, 2**32 + 5, 17, 2**40 + 1]
-    for got, x, key, off in zip(fair_cast_many(xs, keys=keys, offsets=offs, backend="cpu"), xs, keys, offs):
-        assert_same(got, ref(x, key=key, offset=off))
+    for mode in ("stochastic", "sticky"):
+        for got, x, key, off in zip(fair_cast_many(xs, keys=keys, offsets=offs, mode=mode, backend="cpu"), xs, keys, offs):
+            assert_same(got, ref(x, key=key, offset=off, mode=mode))
     rs = [torch.randn(x.shape, generator=g) * 1e-3 for x in xs]
     rs_ref = [r.clone() for r in rs]
     xs = [torch.where(torch.isfinite(x), x, torch.ones_like(x)) for x in xs]

@@ -1,7 +1,7 @@
 """The ``cpu`` backend: ROUNDING.md as a fused, multithreaded numba loop over CPU tensors.
 
-Needs the optional extra ``faircast-plugins[cpu]`` (numba); importing this module without numba raises
-ImportError, and :mod:`faircast_plugins.cast` then falls back to the torch reference.
+Needs numba, a default dependency of faircast-plugins; importing this module without numba raises ImportError, and
+:mod:`faircast_plugins.cast` then falls back to the torch reference (and says so once in its log).
 
 Design (``stochastic``): the tensor is walked in blocks of ``BLOCK_GROUPS`` Philox groups (8 elements each,
 aligned to the *global* index, so any offset works), one block per parallel iteration. Per block:
@@ -33,7 +33,8 @@ try:
     from numba import njit, prange
 except ImportError as exc:  # pragma: no cover - exercised only where numba is absent
     raise ImportError(
-        "the 'cpu' Fair Cast backend needs numba: pip install 'faircast-plugins[cpu]' (or use backend='torch')"
+        "the 'cpu' Fair Cast backend needs numba (a dependency of faircast-plugins): pip install 'numba>=0.60' "
+        "(or use backend='torch')"
     ) from exc
 
 import numpy as np

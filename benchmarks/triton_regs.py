@@ -76,11 +76,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90: H100/H200)")
     parser.add_argument("--json", help="write the table to this JSON file")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated tile heights")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
     from faircast_plugins.kernels import triton_cast as tc
 
-    table = sweep(args.arch)
+    table = sweep(args.arch, modes=args.modes.split(","), rows=[int(r) for r in args.rows.split(",")])
     print(f"sm_{args.arch}: {'mode':<15} {'rows':>5} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6}")
     for row in table:
         default = row["rows"] == tc.DEFAULT_ROWS and row["warps"] == tc.DEFAULT_NUM_WARPS

@@ -23,7 +23,9 @@ import torch
 
 from . import torch_ref
 
-MODES = ("stochastic", "nearest", "error_feedback")
+MODES = ("stochastic", "sticky", "nearest", "error_feedback")
+# Modes that apply the stochastic rule (integer-only, noise from the key): sticky differs only in its key.
+STOCHASTIC_RULE = ("stochastic", "sticky")
 BACKENDS = ("auto", "torch", "triton", "cpu")
 _INDEX_LIMIT = 2**63
 
@@ -81,7 +83,7 @@ def _check_inputs(x, *, key, offset, mode, residual, out, indices) -> None:
         if not residual.is_contiguous():
             raise ValueError("error-feedback residual must be contiguous")
         if indices is not None:
-            raise ValueError("error_feedback is index-free; indices= applies to stochastic only")
+            raise ValueError("error_feedback is index-free; indices= applies to stochastic, sticky and nearest")
     elif residual is not None:
         raise ValueError(f"residual= is only used by mode='error_feedback', not {mode!r}")
     if out is not None:
@@ -228,7 +230,7 @@ def _check_denormals(device: torch.device) -> None:
 
 
 def _torch_cast_item(item: CastItem, mode: str) -> None:
-    if mode == "stochastic":
+    if mode in STOCHASTIC_RULE:
         torch_ref.cast_stochastic_(item.out, item.x, item.key, item.offset)
     elif mode == "nearest":
         item.out.copy_(torch_ref.nearest(item.x))
@@ -239,7 +241,7 @@ def _torch_cast_item(item: CastItem, mode: str) -> None:
 def _run(items: Sequence[CastItem], mode: str, backend: str) -> None:
     if not items:
         return
-    if mode != "stochastic":  # stochastic rounding is integer-only; the others use float arithmetic
+    if mode not in STOCHASTIC_RULE:  # stochastic rounding is integer-only; the others use float arithmetic
         _check_denormals(items[0].x.device)
     if backend == "torch":
         for item in items:
@@ -261,7 +263,8 @@ def fair_cast(
 ) -> torch.Tensor:
     """Cast an fp32 tensor to its Fair Cast bf16 copy, per ``ROUNDING.md``.
 
-    ``key`` comes from :func:`derive_key`; ``offset`` is the global (row-major, unsharded) index of ``x``'s
+    ``key`` comes from :func:`derive_key` (``mode="sticky"``: from :func:`sticky_key`, the same at every version;
+    the stochastic rule applies either way); ``offset`` is the global (row-major, unsharded) index of ``x``'s
     first element; ``indices`` instead gives every element's global index (non-contiguous shards).
     ``error_feedback`` updates ``residual`` in place. Returns a bf16 tensor of ``x``'s shape on its device.
     """

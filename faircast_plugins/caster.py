@@ -11,8 +11,8 @@ Lifecycle in an adapter::
     optimizer.step()
     caster.advance(named_masters)           # version += 1 (EMA update when ema_decay > 0)
 
-Casting the same parameter twice at one version gives the same bits in every mode: ``stochastic`` and
-``nearest`` are pure functions of (master, seed, version, name, index); ``error_feedback`` advances its
+Casting the same parameter twice at one version gives the same bits in every mode: ``stochastic``, ``sticky``
+and ``nearest`` are pure functions of (master, seed, version, name, index); ``error_feedback`` advances its
 residual once per version and keeps that version's served copy (2 B/param) for repeated cast sites.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from .audit import Audit
 from .cast import fair_cast, fair_cast_many
 from .config import FairCastConfig
-from .key import canonical_name, derive_key
+from .key import canonical_name, mode_key
 
 Named = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
@@ -74,7 +74,8 @@ class FairCaster:
         return self.config.effective_mode
 
     def key(self, name: str) -> int:
-        return derive_key(self.config.seed, self.version, canonical_name(name))
+        """The Philox key of ``name`` at the current version (``sticky``: the same at every version)."""
+        return mode_key(self.config.seed, self.version, canonical_name(name), self.mode)
 
     # -- casting --------------------------------------------------------------------------------------------
     @property

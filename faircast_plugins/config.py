@@ -27,8 +27,10 @@ class FairCastConfig:
     """Fair Cast options.
 
     enabled:   turn the unbiased export and the loss-on-served-copy on.
-    mode:      ``stochastic`` (default), ``error_feedback`` (+4 B/param residual state) or ``nearest``
-               (today's round-to-nearest: a baseline that still reports the audit metrics).
+    mode:      ``stochastic`` (default), ``sticky`` (stochastic rounding with thresholds fixed per element: the
+               served copy changes about as rarely as round-to-nearest's), ``error_feedback`` (+4 B/param
+               residual state) or ``nearest`` (today's round-to-nearest: a baseline that still reports the
+               audit metrics).
     seed:      unsigned 64-bit run seed that keys the noise; the same on every rank.
     ema_decay: b in [0, 1): cast an EMA of the master (+4 B/param state) instead of the master; 0 = off.
     audit:     compute the ``faircast/*`` metrics each step (works with ``enabled=False`` too, to measure lag).
@@ -63,7 +65,7 @@ class FairCastConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"faircast.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.mode == "error_feedback" and self.ema_decay:
-            raise ValueError("faircast: ema_decay with mode=error_feedback is not supported; use stochastic")
+            raise ValueError("faircast: ema_decay with mode=error_feedback is not supported; use stochastic or sticky")
 
     @property
     def active(self) -> bool:

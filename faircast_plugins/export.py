@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from .cast import MODES
 from .caster import FairCaster
 from .config import FairCastConfig
 from .hf_checkpoint import (
@@ -57,7 +58,7 @@ from .hf_checkpoint import (
     sha256,
     tensor_bytes,
 )
-from .key import canonical_name
+from .key import STICKY_VERSION, canonical_name
 
 MANIFEST = "faircast_manifest.json"
 MANIFEST_FORMAT = "faircast-served/1"
@@ -227,8 +228,8 @@ def _make_caster(seed: Optional[int], version: Optional[int], mode: Optional[str
             config = FairCastConfig(enabled=True, mode=mode, seed=seed)
         except ValueError as e:
             raise ExportError(str(e)) from None
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
-            raise ExportError(f"version must be an int in [0, 2**64), got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < STICKY_VERSION:
+            raise ExportError(f"version must be an int in [0, 2**64 - 1), got {version!r}")
         return FairCaster(config, version=version), None
     try:
         # every backend gives the same bits: the run's (a GPU's triton, say) need not exist where we export
@@ -614,19 +615,23 @@ class _ProgressLine:
         sys.stderr.flush()
 
 
-def _u64(text: str) -> int:
+def _u64(text: str, limit: int = 2**64) -> int:
     value = int(text, 0)
-    if not 0 <= value < 2**64:
+    if not 0 <= value < limit:
         raise ValueError(text)
     return value
+
+
+def _version(text: str) -> int:
+    return _u64(text, STICKY_VERSION)  # 2**64 - 1 is reserved for sticky keys
 
 
 def add_export_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True, help="Hugging Face fp32 checkpoint directory (safetensors)")
     parser.add_argument("--out", required=True, help="output directory for the bf16 served copy (must not exist)")
     parser.add_argument("--seed", type=_u64, help="the run's Fair Cast seed")
-    parser.add_argument("--version", type=_u64, help="weight version: optimizer steps the master had taken")
-    parser.add_argument("--mode", choices=("stochastic", "nearest", "error_feedback"),
+    parser.add_argument("--version", type=_version, help="weight version: optimizer steps the master had taken")
+    parser.add_argument("--mode", choices=MODES,
                         help="cast mode of the run (default: the state's, else stochastic)")
     parser.add_argument("--state", help=f"Fair Cast state file ({STATE_FILE}); required for error_feedback and EMA runs. "
                                         f"Used by default when --seed/--version are omitted and the checkpoint has "

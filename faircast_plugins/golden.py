@@ -27,6 +27,39 @@ STOCHASTIC_K_IN = [0x3F800000, 0x3F808000, 0x3F80FFFF, 0xBF80C000, 0x00000001, 0
 STOCHASTIC_K_OUT = [0x3F80, 0x3F81, 0x3F81, 0xBF81, 0x0000, 0x8000, 0x7F7F, 0x7F80,
                     0xFF80, 0x7FC0, 0xFFFF, 0x3F82, 0x4049, 0xC049, 0x3F80, 0x0080]
 
+# sticky: sticky_key(seed, name) (version 2**64-1), its noise, and the stochastic table's inputs under it
+STICKY_KEY_ZERO = (0, "w", 0x5A3BC0CD7ABA3110)
+STICKY_KEY_S = (1234, "model.layers.0.self_attn.q_proj.weight", 0x1AEB25616CA0CAF7)
+NOISE_S = [
+    (0, [0x332A, 0x5F6F, 0xB2FB, 0x32E0, 0xFBCB, 0x9C04, 0x35B7, 0x91EC,
+         0x0778, 0xB84F, 0x52D2, 0xCB83, 0x58DC, 0x98FF, 0x2B2A, 0x3254]),
+    (2**32 + 5, [0x3CC1, 0x6BA3, 0x3A11, 0x3F24]),
+]
+STICKY_S_OUT = [0x3F80, 0x3F80, 0x3F81, 0xBF80, 0x0000, 0x8000, 0x7F7F, 0x7F80,
+                0xFF80, 0x7FC0, 0xFFFF, 0x3F81, 0x4049, 0xC049, 0x3F80, 0x0080]
+
+# error_feedback: (x bits, residual bits) -> (bf16 bits out, new residual bits)
+ERROR_FEEDBACK = [
+    (0x3F808000, 0x00000000, 0x3F80, 0x3B800000),  # a tie goes to even; the residual keeps 2**-8
+    (0x3F808000, 0x3B800000, 0x3F81, 0x00000000),  # ... and is paid back at the next version
+    (0xC0490FDB, 0x00000000, 0xC049, 0xBA7DB000),
+    (0x7F7F7FFF, 0x00000000, 0x7F7F, 0x7AFFFE00),  # just below the overflow threshold: residual kept
+    (0x7F7F7FFF, 0x7AFFFE00, 0x7F7F, 0x00000000),  # s above the threshold: saturated, residual reset
+    (0x7F7F8000, 0x00000000, 0x7F7F, 0x00000000),  # s exactly at the threshold
+    (0x7F7FFFFF, 0x00000000, 0x7F7F, 0x00000000),
+    (0xFF7FFFFF, 0x00000000, 0xFF7F, 0x00000000),
+    (0x7F7FFFFF, 0x7EFFFFFF, 0x7F7F, 0x00000000),  # x + r overflows fp32
+    (0xFF7FFFFF, 0xFEFFFFFF, 0xFF7F, 0x00000000),
+    (0x7F800000, 0xBF800000, 0x7F80, 0x00000000),  # inf master, finite residual
+    (0xFF800000, 0x7F800000, 0xFF80, 0x00000000),  # -inf + inf: x's bits, not the addition's NaN
+    (0x7F800001, 0x3F800000, 0x7FC0, 0x00000000),  # signalling NaN master: quieted, payload kept
+    (0xFFC12345, 0x7FC00000, 0xFFC1, 0x00000000),  # NaN master, NaN residual: the master's bits
+    (0x3F800000, 0xFFA00001, 0x3F80, 0x00000000),  # a NaN residual counts as 0
+    (0x3F800000, 0xFF800000, 0x3F80, 0x00000000),  # an infinite residual counts as 0
+    (0x80000000, 0x80000000, 0x8000, 0x00000000),  # -0 + -0 = -0
+    (0x3F800000, 0xBF800000, 0x0000, 0x00000000),  # 1 + -1 = +0
+]
+
 # Every class of the contract: zeros, infinities, NaNs (quiet, signalling, payloads, negative), subnormals,
 # the normal minimum, bf16-exact values, RNE ties, fp32 max, values at and around the bf16 overflow threshold.
 SPECIALS = [

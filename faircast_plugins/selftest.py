@@ -12,7 +12,7 @@ import torch
 
 from . import golden, torch_ref
 from .cast import available_backends, fair_cast, fair_cast_many
-from .key import derive_key
+from .key import derive_key, sticky_key
 
 Check = Tuple[str, Callable[[], bool]]
 
@@ -20,6 +20,9 @@ Check = Tuple[str, Callable[[], bool]]
 def _key_checks() -> List[Check]:
     return [
         (f"key{args[:3]}", lambda a=args: derive_key(*a[:3]) == a[3]) for args in (golden.KEY_ZERO, golden.KEY_K)
+    ] + [
+        (f"sticky_key{args[:2]}", lambda a=args: sticky_key(*a[:2]) == a[2])
+        for args in (golden.STICKY_KEY_ZERO, golden.STICKY_KEY_S)
     ]
 
 
@@ -38,6 +41,18 @@ def _backend_checks(backend: str, device: torch.device) -> List[Check]:
     def table():
         x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN, device)
         return golden.bf16_bits(fair_cast(x, key=key, backend=backend)) == golden.STOCHASTIC_K_OUT
+
+    def sticky_table():
+        x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN, device)
+        got = fair_cast(x, key=golden.STICKY_KEY_S[2], mode="sticky", backend=backend)
+        return golden.bf16_bits(got) == golden.STICKY_S_OUT
+
+    def error_feedback_table():
+        x = golden.fp32_from_bits([row[0] for row in golden.ERROR_FEEDBACK], device)
+        r = golden.fp32_from_bits([row[1] for row in golden.ERROR_FEEDBACK], device)
+        q = fair_cast(x, key=0, mode="error_feedback", residual=r, backend=backend)
+        return (golden.bf16_bits(q) == [row[2] for row in golden.ERROR_FEEDBACK]
+                and [v & 0xFFFFFFFF for v in r.cpu().view(torch.int32).tolist()] == [row[3] for row in golden.ERROR_FEEDBACK])
 
     def shifted():
         # the same table cast as one shard at global offset 2**32 + 3, against the torch reference
@@ -79,7 +94,8 @@ def _backend_checks(backend: str, device: torch.device) -> List[Check]:
         q = fair_cast(x, key=0, mode="error_feedback", residual=r, backend=backend)
         return torch.equal(q.float() + r, s) and torch.equal(q.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
 
-    checks = [(f"{tag} golden table", table), (f"{tag} nearest == .to(bf16)", nearest)]
+    checks = [(f"{tag} golden table", table), (f"{tag} sticky golden table", sticky_table),
+              (f"{tag} error feedback golden table", error_feedback_table), (f"{tag} nearest == .to(bf16)", nearest)]
     if backend == "torch" and device.type == "cpu":  # the reference itself: checked against the contract only
         return checks + [(f"{tag} golden noise", noise), (f"{tag} error feedback q + r == x + r0", error_feedback_identity)]
     return checks + [(f"{tag} offset 2**32+3 == reference", shifted), (f"{tag} random == reference", random_vs_reference),

@@ -100,13 +100,38 @@ def cast_stochastic_at(x: torch.Tensor, key: int, indices: torch.Tensor) -> torc
     return _as_bf16(stochastic_bits(u, noise16_at(key, indices.contiguous())))
 
 
+def nearest_bits(u: torch.Tensor) -> torch.Tensor:
+    """bf16 bits (int32) of fp32 bits ``u`` (int32), round to nearest even (overflow to inf), NaN rule of §4."""
+    mag = u & 0x7FFFFFFF
+    rne = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+    out = ((u >> 16) & 0x8000) | rne
+    return torch.where(mag > 0x7F800000, _nan_bits(u, mag), out)
+
+
+def error_feedback_bits(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ROUNDING.md §4 error feedback of fp32 ``x`` with residual ``r``: (bf16 bits as int32, the new residual).
+
+    A non-finite residual counts as 0. A non-finite ``x`` is served by the nearest rule of its own bits. Else
+    ``s = x + r`` is rounded to nearest even, saturating at the largest finite bf16 of its sign; the new residual
+    is ``s - q``, or 0 where ``x`` is not finite or ``q`` saturated.
+    """
+    ux = x.view(torch.int32)
+    r = torch.where((r.view(torch.int32) & 0x7FFFFFFF) >= 0x7F800000, torch.zeros_like(r), r)
+    s = x + r
+    q = nearest_bits(s.view(torch.int32))
+    saturated = (q & 0x7FFF) >= 0x7F80  # s rounds to +-inf or overflowed fp32 (or x is not finite)
+    q = torch.where(saturated, (q & 0x8000) | 0x7F7F, q)
+    new_r = torch.where(saturated, torch.zeros_like(s), s - _as_bf16(q).float())  # exact
+    x_special = (ux & 0x7FFFFFFF) >= 0x7F800000
+    return torch.where(x_special, nearest_bits(ux), q), new_r
+
+
 def cast_error_feedback_(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """Error feedback on flat tensors: ``s = x + r; out = nearest(s); r = s - out`` (0 where s is not finite)."""
+    """Error feedback on flat tensors (ROUNDING.md §4): writes ``out`` and updates ``residual`` in place."""
     n = x.numel()
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
-        total = x[s:e] + residual[s:e]
-        q = nearest(total)
-        out[s:e] = q
-        residual[s:e] = torch.where(torch.isfinite(total), total - q.float(), torch.zeros_like(total))
+        q, r = error_feedback_bits(x[s:e], residual[s:e])
+        out[s:e] = _as_bf16(q)
+        residual[s:e] = r
     return out

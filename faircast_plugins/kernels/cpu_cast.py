@@ -208,12 +208,24 @@ def _stochastic_kernel_serial(out, xu, ks, offset):
 
 @njit(inline="always")
 def _error_feedback_element(out, x, residual, i):
-    s = x[i] + residual[i]  # fp32 + fp32, IEEE round-to-nearest (fastmath is off)
-    u = np.float32(s).view(np.uint32)
-    q = _nearest_bits(u)
-    e = s - np.uint32(q << _U16).view(np.float32)  # exact
-    residual[i] = e if (u & _MAG) < _INF else np.float32(0.0)
-    out[i] = np.uint16(q)
+    """ROUNDING.md §4: a non-finite residual counts as 0; a non-finite x is served from its own bits; a finite sum
+    rounds to nearest even, saturating at the largest finite bf16 (residual reset)."""
+    ux = np.float32(x[i]).view(np.uint32)
+    r = np.float32(residual[i])
+    if (r.view(np.uint32) & _MAG) >= _INF:
+        r = np.float32(0.0)
+    if (ux & _MAG) >= _INF:
+        out[i] = np.uint16(_nearest_bits(ux))
+        residual[i] = np.float32(0.0)
+        return
+    s = x[i] + r  # fp32 + fp32, IEEE round-to-nearest (fastmath is off); finite or +-inf, never NaN
+    q = _nearest_bits(np.float32(s).view(np.uint32))
+    if (q & _U32(0x7FFF)) >= _U32(0x7F80):
+        out[i] = np.uint16((q & _SIGN16) | _BF16_MAX)
+        residual[i] = np.float32(0.0)
+    else:
+        out[i] = np.uint16(q)
+        residual[i] = s - np.uint32(q << _U16).view(np.float32)  # exact
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -265,6 +277,7 @@ PARALLEL_MIN_NUMEL = 1 << 18
 
 _KERNELS = {  # mode -> (serial, parallel)
     "stochastic": (_stochastic_kernel_serial, _stochastic_kernel),
+    "sticky": (_stochastic_kernel_serial, _stochastic_kernel),  # the stochastic rule under the version-free key
     "nearest": (_nearest_kernel_serial, _nearest_kernel),
     "error_feedback": (_error_feedback_kernel_serial, _error_feedback_kernel),
 }
@@ -285,7 +298,7 @@ def cast_many(items: Sequence, mode: str) -> None:
                 raise TypeError("the cpu backend casts fp32 x into a bf16 out of the same size")
             kernel = _KERNELS[mode][item.x.numel() >= PARALLEL_MIN_NUMEL]
             out = _numpy(item.out, torch.int16, np.uint16)
-            if mode == "stochastic":
+            if mode in ("stochastic", "sticky"):
                 kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset)
             elif mode == "nearest":
                 kernel(out, _numpy(item.x, torch.int32, np.uint32))

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "faircast_plugins.kernels.triton_cast needs triton: pip install 'faircast-plugins[triton]'"
     ) from exc
 
-MODE_IDS = {"stochastic": 0, "nearest": 1, "error_feedback": 2}
+MODE_IDS = {"stochastic": 0, "sticky": 0, "nearest": 1, "error_feedback": 2}  # sticky: stochastic, version-free key
 N_ROUNDS = 10
 DEFAULT_ROWS = 256  # 2048 elements per program on a GPU
 DEFAULT_NUM_WARPS = 4
@@ -103,14 +103,18 @@ def _nearest_bits(u):
 def _cast_tile(x_ptr, out_ptr, res_ptr, local, mask, groups, k0, k1, MODE: tl.constexpr, N_ROUNDS: tl.constexpr):
     """Cast one [ROWS, 8] tile: ``local`` are element indices within the tensor, ``groups`` the rows' global groups."""
     x = tl.load(x_ptr + local, mask=mask, other=0.0)
-    if MODE == 2:  # error feedback: s = x + r; q = nearest(s); r = s - q, or 0 where s is not finite
+    if MODE == 2:  # error feedback, ROUNDING.md §4
         r = tl.load(res_ptr + local, mask=mask, other=0.0)
-        s = x + r
-        su = s.to(tl.uint32, bitcast=True)
-        bits = _nearest_bits(su)
+        r = tl.where((r.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000, 0.0, r)  # non-finite r counts as 0
+        s = x + r  # finite or +-inf when x is finite; a NaN s (x not finite) is never read below
+        bits = _nearest_bits(s.to(tl.uint32, bitcast=True))
+        saturated = (bits & 0x7FFF) >= 0x7F80  # rounds past the largest finite bf16, or overflowed
+        bits = tl.where(saturated, (bits & 0x8000) | 0x7F7F, bits)
         q = (bits << 16).to(tl.float32, bitcast=True)
-        finite = (su & 0x7F800000) != 0x7F800000
-        tl.store(res_ptr + local, tl.where(finite, s - q, 0.0), mask=mask)
+        xu = x.to(tl.uint32, bitcast=True)
+        x_special = (xu & 0x7FFFFFFF) >= 0x7F800000
+        bits = tl.where(x_special, _nearest_bits(xu), bits)  # inf or NaN master: served from its own bits
+        tl.store(res_ptr + local, tl.where(saturated | x_special, 0.0, s - q), mask=mask)
     elif MODE == 0:
         bits = _stochastic_bits(x.to(tl.uint32, bitcast=True), _noise16(groups, k0, k1, N_ROUNDS))
     else:
@@ -326,7 +330,8 @@ def prepare(items: Sequence, mode: str, *, rows: Optional[int] = None,
 def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_warps: Optional[int] = None) -> None:
     """Cast every :class:`faircast_plugins.cast.CastItem` (flat fp32 ``x`` -> flat bf16 ``out``) in ONE launch.
 
-    ``mode`` is ``"stochastic"``, ``"nearest"`` or ``"error_feedback"`` (which updates each ``residual`` in place).
+    ``mode`` is ``"stochastic"``, ``"sticky"`` (the same kernel: the key carries the difference), ``"nearest"`` or
+    ``"error_feedback"`` (which updates each ``residual`` in place).
     ``rows`` is the tile height (a power of two; a tile is ``rows * 8`` elements); it changes speed, never bits.
     """
     prepare(items, mode, rows=rows, num_warps=num_warps)()

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast, sticky_key
 
 
 def bits(t):
@@ -53,6 +53,30 @@ def test_cast_many_equals_cast():
     many = caster.cast_many(ms)
     for name, x in ms.items():
         assert torch.equal(bits(many[name]), bits(caster.cast(name, x)))
+
+
+def test_sticky_key_ignores_the_version_and_casting_is_stateless():
+    ms = masters()
+    caster = FairCaster(FairCastConfig(enabled=True, mode="sticky", seed=42))
+    first = {}
+    for v in range(3):
+        for name, x in ms.items():
+            assert caster.key(f"_fsdp_wrapped_module.{name}") == sticky_key(42, name)
+            want = fair_cast(x, key=sticky_key(42, name), mode="sticky")
+            assert torch.equal(bits(caster.cast(name, x)), bits(want))
+            first.setdefault(name, (x.clone(), bits(want).clone()))
+        many = caster.cast_many(ms)
+        assert all(torch.equal(bits(many[n]), bits(caster.cast(n, x))) for n, x in ms.items())
+        train_step(ms, v)
+        caster.advance()
+    # an unchanged master is served with the same bits at any later version, by a fresh caster (no state)
+    later = FairCaster(FairCastConfig(enabled=True, mode="sticky", seed=42), version=1000)
+    for name, (x0, q0) in first.items():
+        assert torch.equal(bits(later.cast(name, x0)), q0)
+    # negative control: stochastic draws new thresholds at the later version
+    stochastic = FairCaster(FairCastConfig(enabled=True, mode="stochastic", seed=42), version=1000)
+    assert not torch.equal(bits(stochastic.cast("model.embed_tokens.weight", first["model.embed_tokens.weight"][0])),
+                           first["model.embed_tokens.weight"][1])
 
 
 def test_error_feedback_is_idempotent_within_a_version_and_strict_about_order():
@@ -137,6 +161,8 @@ def _run(caster, ms, steps, served):
 
 @pytest.mark.parametrize("cfg", [
     dict(mode="stochastic", seed=9),
+    dict(mode="sticky", seed=9, audit=True),
+    dict(mode="sticky", seed=9, ema_decay=0.5),
     dict(mode="error_feedback", seed=9),
     dict(mode="stochastic", seed=9, ema_decay=0.5, audit=True),
 ])

@@ -21,3 +21,14 @@ def test_selftest_catches_a_wrong_engine(monkeypatch, capsys):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "faircast_plugins.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "selftest" in out.stdout and "export" in out.stdout
+
+
+def test_selftest_catches_a_wrong_sticky_key_and_error_feedback(monkeypatch, capsys):
+    from faircast_plugins import key
+
+    real_ef = torch_ref.error_feedback_bits
+    monkeypatch.setattr(key, "STICKY_VERSION", 2**64 - 2)
+    monkeypatch.setattr(torch_ref, "error_feedback_bits", lambda x, r: (real_ef(x, r)[0], r * 0))
+    assert cli.main(["selftest", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  sticky_key(1234" in out and "FAIL  torch@cpu error feedback golden table" in out

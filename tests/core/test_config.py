@@ -16,6 +16,11 @@ def test_mapping_form_defaults_to_enabled_and_takes_sub_options():
     assert FairCastConfig.from_value({"enable": False, "audit": True}).active
 
 
+@pytest.mark.parametrize("mode", ["stochastic", "sticky", "nearest", "error_feedback"])
+def test_every_mode_is_accepted(mode):
+    assert FairCastConfig.from_value({"mode": mode}).effective_mode == mode
+
+
 def test_overrides_win_and_none_overrides_are_ignored():
     cfg = FairCastConfig.from_value(True, mode="nearest", seed=None)
     assert cfg.mode == "nearest" and cfg.seed == 0

@@ -119,6 +119,22 @@ def test_golden_table():
     assert golden.bf16_bits(cpu(x, offset=8)) != golden.STOCHASTIC_K_OUT
 
 
+@pytest.mark.parametrize("cut", [0, 5, 13])
+def test_sticky_golden_table(cut):
+    x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN)
+    key = golden.STICKY_KEY_S[2]
+    parts = cpu(x[:cut], key=key, mode="sticky"), cpu(x[cut:], key=key, offset=cut, mode="sticky")
+    assert golden.bf16_bits(torch.cat(parts)) == golden.STICKY_S_OUT
+    assert _noise_through_the_kernel(key, *golden.NOISE_S[1][:1], 4) == golden.NOISE_S[1][1]
+
+
+def test_error_feedback_golden_table():
+    x = from_bits([row[0] for row in golden.ERROR_FEEDBACK])
+    r = from_bits([row[1] for row in golden.ERROR_FEEDBACK])
+    assert golden.bf16_bits(cpu(x, mode="error_feedback", residual=r)) == [row[2] for row in golden.ERROR_FEEDBACK]
+    assert [v & 0xFFFFFFFF for v in r.view(torch.int32).tolist()] == [row[3] for row in golden.ERROR_FEEDBACK]
+
+
 @pytest.mark.parametrize("cut", [1, 5, 8, 13])
 def test_golden_table_as_two_shards(cut):
     x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN)
@@ -269,7 +285,9 @@ def test_error_feedback_matches_reference_over_steps():
     x = mixed(2000, seed=8)
     x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     r_cpu = torch.randn(x.shape, generator=g) * 1e-4
-    r_cpu[:50] = float("inf")  # s not finite -> residual reset to 0
+    r_cpu[:50] = float("inf")  # a non-finite residual counts as 0
+    r_cpu[50:60] = float("nan")
+    x[60:70] = 3.4e38  # near overflow: saturated, residual reset
     r_ref = r_cpu.clone()
     for step in range(4):
         x = x + torch.randn(x.shape, generator=g) * 1e-5
@@ -278,7 +296,10 @@ def test_error_feedback_matches_reference_over_steps():
         assert_same(q_cpu, q_ref)
         assert torch.equal(r_cpu.view(torch.int32), r_ref.view(torch.int32)), f"residual differs at step {step}"
         if step == 0:
-            assert bool((r_cpu[:50] == 0).all()) and bool(r_cpu[50:].ne(0).any())
+            fresh = torch.zeros(60)
+            ref(x[:60].clone(), mode="error_feedback", residual=fresh)
+            assert torch.equal(r_cpu[:60], fresh) and bool(r_cpu[70:].ne(0).any())
+        assert golden.bf16_bits(q_cpu[60:70]) == [0x7F7F] * 10
 
 
 def test_error_feedback_is_exact_and_keeps_subnormals():
@@ -301,8 +322,9 @@ def test_fair_cast_many_matches_per_item_reference():
     xs = [mixed(n // 7 + 1, seed=n)[:n] for n in (1, 9, 2048, 5000, 33333)]
     keys = [derive_key(1, 2, f"p{i}") for i in range(len(xs))]
     offs = [0, 3, 2**32 + 5, 17, 2**40 + 1]
-    for got, x, key, off in zip(fair_cast_many(xs, keys=keys, offsets=offs, backend="cpu"), xs, keys, offs):
-        assert_same(got, ref(x, key=key, offset=off))
+    for mode in ("stochastic", "sticky"):
+        for got, x, key, off in zip(fair_cast_many(xs, keys=keys, offsets=offs, mode=mode, backend="cpu"), xs, keys, offs):
+            assert_same(got, ref(x, key=key, offset=off, mode=mode))
     rs = [torch.randn(x.shape, generator=g) * 1e-3 for x in xs]
     rs_ref = [r.clone() for r in rs]
     xs = [torch.where(torch.isfinite(x), x, torch.ones_like(x)) for x in xs]

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers", reason="tests-core installs transformers; needed for real HF checkpoints")
 
-from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast  # noqa: E402
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast, sticky_key  # noqa: E402
 from faircast_plugins.cli import main as cli_main  # noqa: E402
 from faircast_plugins.export import (  # noqa: E402
     MANIFEST,
@@ -136,6 +136,25 @@ def test_nearest_mode_is_round_to_nearest(ckpts, tmp_path):
     for name, x in _masters(model).items():
         assert torch.equal(_bits(served[name]), _bits(x.to(torch.bfloat16))), name
     assert verify_served(path, out).ok
+
+
+def test_sticky_export_and_verify_from_the_cli(ckpts, tmp_path, capsys):
+    path, model = ckpts["sharded"]
+    out = tmp_path / "sticky"
+    args = ["export", "--checkpoint", str(path), "--seed", str(SEED), "--version", str(VERSION), "--mode", "sticky"]
+    assert cli_main([*args, "--out", str(out), "--quiet"]) == 0
+    assert read_manifest(out)["mode"] == "sticky"
+    served = _read_all(out)
+    for name, x in _masters(model).items():
+        assert torch.equal(_bits(served[name]), _bits(fair_cast(x, key=sticky_key(SEED, name), mode="sticky"))), name
+    assert cli_main(["verify", "--checkpoint", str(path), "--served", str(out), "--quiet"]) == 0
+    # the copy does not depend on the version (negative control: stochastic's does, see above)
+    later = dict(iter_served(path, seed=SEED, version=VERSION + 1000, mode="sticky"))
+    assert all(torch.equal(_bits(later[n]), _bits(served[n])) for n in served)
+    # the reserved version is refused
+    with pytest.raises(SystemExit):
+        cli_main([*args[:5], "--version", str(2**64 - 1), "--out", str(tmp_path / "x")])
+    assert "invalid _version value" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("label", ["sharded", "tied"])
@@ -523,7 +542,8 @@ def _rank_states(mode: str, ema_decay: float, steps: int = 3):
     return states, masters, expected
 
 
-@pytest.mark.parametrize("mode, ema_decay", [("error_feedback", 0.0), ("stochastic", 0.5)], ids=["ef", "ema"])
+@pytest.mark.parametrize("mode, ema_decay", [("error_feedback", 0.0), ("stochastic", 0.5), ("sticky", 0.5)],
+                         ids=["ef", "ema", "sticky-ema"])
 def test_merged_rank_states_export_the_full_served_copy(tmp_path, mode, ema_decay):
     from faircast_plugins.export import merge_rank_states
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from faircast_plugins import derive_key, fair_cast, golden, torch_ref
+from faircast_plugins import derive_key, fair_cast, golden, sticky_key, torch_ref
 
 
 @pytest.mark.parametrize("seed,version,name,want", [golden.KEY_ZERO, golden.KEY_K])
@@ -47,3 +47,44 @@ def test_stochastic_golden_table_in_2d_and_as_shards():
     for cut in (1, 5, 8, 13):
         parts = fair_cast(x[:cut], key=key, backend="torch"), fair_cast(x[cut:], key=key, offset=cut, backend="torch")
         assert golden.bf16_bits(torch.cat(parts)) == golden.STOCHASTIC_K_OUT
+
+
+# -- sticky (ROUNDING.md §2 reserved version, §4 sticky, §5) -------------------------------------------------------
+@pytest.mark.parametrize("seed,name,want", [golden.STICKY_KEY_ZERO, golden.STICKY_KEY_S])
+def test_sticky_key(seed, name, want):
+    assert sticky_key(seed, name) == want
+    assert want not in {derive_key(seed, v, name) for v in (0, 1, 7, 2**64 - 2)}
+
+
+def test_the_sticky_version_is_reserved():
+    with pytest.raises(ValueError, match="reserved for mode='sticky'"):
+        derive_key(1, 2**64 - 1, "w")
+    assert 0 <= derive_key(1, 2**64 - 2, "w") < 2**63  # the largest ordinary version
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+        derive_key(1, 2**64, "w")
+
+
+@pytest.mark.parametrize("start,want", golden.NOISE_S)
+def test_sticky_noise_golden(start, want):
+    assert torch_ref.noise16(golden.STICKY_KEY_S[2], start, len(want)).tolist() == want
+
+
+def test_sticky_golden_table_whole_and_as_shards():
+    x = golden.fp32_from_bits(golden.STOCHASTIC_K_IN)
+    key = golden.STICKY_KEY_S[2]
+    assert golden.bf16_bits(fair_cast(x, key=key, mode="sticky", backend="torch")) == golden.STICKY_S_OUT
+    for cut in (1, 5, 8, 13):
+        parts = (fair_cast(x[:cut], key=key, mode="sticky", backend="torch"),
+                 fair_cast(x[cut:], key=key, offset=cut, mode="sticky", backend="torch"))
+        assert golden.bf16_bits(torch.cat(parts)) == golden.STICKY_S_OUT
+    # negative control: the version's key (stochastic) gives another table
+    assert golden.STICKY_S_OUT != golden.STOCHASTIC_K_OUT
+
+
+# -- error feedback (ROUNDING.md §4, §5) ---------------------------------------------------------------------------
+def test_error_feedback_golden_table():
+    x = golden.fp32_from_bits([row[0] for row in golden.ERROR_FEEDBACK])
+    r = golden.fp32_from_bits([row[1] for row in golden.ERROR_FEEDBACK])
+    q = fair_cast(x, key=0, mode="error_feedback", residual=r, backend="torch")
+    assert golden.bf16_bits(q) == [row[2] for row in golden.ERROR_FEEDBACK]
+    assert [v & 0xFFFFFFFF for v in r.view(torch.int32).tolist()] == [row[3] for row in golden.ERROR_FEEDBACK]

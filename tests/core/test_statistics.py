@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from faircast_plugins import derive_key, fair_cast, golden, torch_ref
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast, fair_cast_many, golden, sticky_key, torch_ref
 
 ULP1 = 2.0**-7  # bf16 step in [1, 2)
 
@@ -169,6 +169,110 @@ def test_error_feedback_resets_on_non_finite():
     x = golden.fp32_from_bits([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF])
     e = torch.tensor([1.0, 1.0, 1.0, 3e38])
     q = fair_cast(x, key=0, mode="error_feedback", residual=e)
-    assert torch.equal(e[:3], torch.zeros(3))
-    assert golden.bf16_bits(q)[:3] == [0x7F80, 0xFF80, 0x7FC0]
-    assert e[3] == 0  # fp32 max + 3e38 overflows to inf: not finite, reset
+    assert torch.equal(e, torch.zeros(4))
+    # fp32 max + 3e38 overflows to inf: served as the largest finite bf16, never as inf
+    assert golden.bf16_bits(q) == [0x7F80, 0xFF80, 0x7FC0, 0x7F7F]
+
+
+def test_error_feedback_near_overflow_never_flips_sign_over_many_versions():
+    """A finite master at or near the overflow threshold is served finite, with its sign, at every version."""
+    x = golden.fp32_from_bits([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7F7FFF, 0x7F7F4000, 0x7F7EC000])
+    r = torch.zeros_like(x)
+    served = []
+    for _ in range(64):
+        served.append(golden.bf16_bits(fair_cast(x, key=0, mode="error_feedback", residual=r, backend="torch")))
+        assert bool(torch.isfinite(r).all())
+    for col, b in enumerate([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7F7FFF, 0x7F7F4000]):
+        assert {row[col] for row in served} == {(b >> 16) & 0x8000 | 0x7F7F}, hex(b)  # saturated, never +-inf
+    assert {row[6] for row in served} == {0x7F7E, 0x7F7F}  # below the top step: error feedback still alternates
+    # negative control: round-to-nearest alone sends these masters to infinity
+    assert golden.bf16_bits(fair_cast(x[:3], key=0, mode="nearest", backend="torch")) == [0x7F80, 0xFF80, 0x7F80]
+
+
+# -- sticky: the stochastic rule under a version-free key (ROUNDING.md §4) -----------------------------------------
+STICKY_VALUES = [
+    0x3F800000, 0xBF800000, 0x3C23D70A, 0x00000000,  # exactly on the bf16 grid: never moved, by any threshold
+    0x3F812345, 0xBF80FFFF, 0x3F800001, 0x3C23D70B, 0x00001234, 0x80000001, 0x42C8F0F0,
+    0x7F7E0001, 0x7F7E8000, 0x7F7EFFFF, 0xFF7EC000,  # near overflow, below the largest finite bf16: still unbiased
+]
+
+
+def test_sticky_is_unbiased_per_element_value_over_thresholds():
+    """K thresholds (K seeds) per value: the mean of the sticky copy is the master, within 6 sigma."""
+    k = 2048
+    x = golden.fp32_from_bits(STICKY_VALUES)
+    keys = [sticky_key(s, "model.layers.3.mlp.up_proj.weight") for s in range(k)]
+    served = torch.stack(fair_cast_many([x] * k, keys=keys, mode="sticky", backend="torch")).double()  # [k, values]
+    xd = x.double()
+    toward_zero = x.view(torch.int32) & -65536  # the two bf16 neighbours: toward zero, and one step away
+    step = ((toward_zero + 65536).view(torch.float32).double() - toward_zero.view(torch.float32).double()).abs()
+    for j, b in enumerate(STICKY_VALUES):
+        frac = (b & 0xFFFF) / 65536
+        if frac == 0:
+            assert bool((served[:, j] == xd[j]).all()), hex(b)  # on the grid: exact under every threshold
+            continue
+        sigma = float(step[j]) * math.sqrt(frac * (1 - frac) / k)
+        assert abs(float(served[:, j].mean()) - float(xd[j])) < 6 * sigma, hex(b)
+    # the same K thresholds drawn over names instead of seeds
+    keys = [sticky_key(7, f"model.layers.{i}.self_attn.o_proj.weight") for i in range(k)]
+    served = torch.stack(fair_cast_many([x] * k, keys=keys, mode="sticky", backend="torch")).double()
+    ups = (served[:, 4] != 1.0078125).sum().item()  # 0x3F812345 rounds up from 0x3F81 with probability 0x2345 / 65536
+    p = 0x2345 / 65536
+    assert abs(ups - k * p) < 6 * math.sqrt(k * p * (1 - p))
+
+
+def test_sticky_saturates_like_stochastic_above_the_largest_finite_bf16():
+    x = golden.fp32_from_bits([0x7F7F0001, 0x7F7FFFFF, 0xFF7F8000])
+    for s in range(64):
+        assert golden.bf16_bits(fair_cast(x, key=sticky_key(s, "w"), mode="sticky", backend="torch")) == [0x7F7F, 0x7F7F, 0xFF7F]
+
+
+def _drift(mode, n, versions, on_grid, seed=0):
+    """A master drifting by Adam-like steps of about 1% of a bf16 step; the caster's own audit measures it."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 2.0**-6 * (1 + torch.rand(n, generator=g))  # one binade: a bf16 step is 2**-13 everywhere
+    x = (mag * torch.sign(torch.randn(n, generator=g))).float()
+    if on_grid:
+        x = x.to(torch.bfloat16).float()  # a bf16 checkpoint loaded as fp32
+    step = 0.01 * 2.0**-13 * torch.sign(torch.randn(n, generator=g)) * (0.5 + torch.rand(n, generator=g))
+    caster = FairCaster(FairCastConfig(enabled=True, mode=mode, seed=11, audit=True, audit_sample=n))
+    served = [caster.cast("model.layers.0.mlp.down_proj.weight", x)]
+    masters = [x]
+    for _ in range(versions):
+        x = x + step
+        caster.advance()
+        served.append(caster.cast("model.layers.0.mlp.down_proj.weight", x))
+        masters.append(x)
+    return caster.metrics(), masters, served
+
+
+def test_sticky_changes_as_rarely_as_nearest_and_only_where_the_master_crossed():
+    n, versions = 1 << 14, 10
+    changed = {mode: _drift(mode, n, versions, on_grid=False)[0]["faircast/served_changed_frac"]
+               for mode in ("nearest", "stochastic", "sticky")}
+    assert 0.005 < changed["nearest"] < 0.02, changed  # about |step| / bf16 step = 1%
+    assert changed["sticky"] < 1.5 * changed["nearest"], changed
+    assert changed["stochastic"] > 10 * changed["sticky"], changed  # fresh thresholds every version
+    # A served element changes only when its master moved, and then in the master's direction (for a fixed
+    # threshold the cast is monotone). Negative control: stochastic redraws where the master stood still.
+    for mode in ("sticky", "stochastic"):
+        _, masters, served = _drift(mode, 4096, 3, on_grid=False, seed=1)
+        x0, x1 = masters[1].clone(), masters[2].clone()
+        x1[:2048] = x0[:2048]  # half of the elements do not move
+        caster = FairCaster(FairCastConfig(enabled=True, mode=mode, seed=11), version=1)
+        q0 = caster.cast("w", x0).double()
+        caster.advance()
+        q1 = caster.cast("w", x1).double()
+        still = bool((q1[:2048] == q0[:2048]).all())
+        against = bool(((q1 - q0) * (x1.double() - x0.double()) < 0).any())
+        assert (still and not against) if mode == "sticky" else (not still and against), mode
+
+
+def test_sticky_follows_the_master_like_stochastic_where_nearest_lags():
+    n, versions = 1 << 14, 24
+    m = {mode: _drift(mode, n, versions, on_grid=True)[0] for mode in ("nearest", "stochastic", "sticky")}
+    assert m["nearest"]["faircast/lag_steps"] > 5, m["nearest"]  # every update is below half a step: none served
+    assert m["nearest"]["faircast/bias_rel_cumulative"] > 0.9, m["nearest"]
+    for mode in ("stochastic", "sticky"):
+        assert abs(m[mode]["faircast/lag_steps"]) < 1, (mode, m[mode])
+        assert m[mode]["faircast/bias_rel_cumulative"] < 0.1, (mode, m[mode])

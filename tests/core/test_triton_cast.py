@@ -117,6 +117,28 @@ def test_golden_table(rows):
     assert [b & 0xFFFF for b in _bits(other).tolist()] != GOLDEN_OUT
 
 
+def test_sticky_golden_table():
+    key = golden.STICKY_KEY_S[2]
+    x = _f32(GOLDEN_IN)
+    assert [b & 0xFFFF for b in _bits(_tri(x, key=key, mode="sticky")).tolist()] == golden.STICKY_S_OUT
+    parts = _tri(x[:5], key=key, mode="sticky", rows=1), _tri(x[5:], key=key, offset=5, mode="sticky", rows=1)
+    assert [b & 0xFFFF for b in _bits(torch.cat(parts)).tolist()] == golden.STICKY_S_OUT
+
+
+def test_error_feedback_golden_table_and_no_sign_flip_near_overflow():
+    x = _f32([row[0] for row in golden.ERROR_FEEDBACK])
+    r = _f32([row[1] for row in golden.ERROR_FEEDBACK])
+    assert [b & 0xFFFF for b in _bits(_tri(x, mode="error_feedback", residual=r)).tolist()] == \
+        [row[2] for row in golden.ERROR_FEEDBACK]
+    assert [b & 0xFFFFFFFF for b in _bits(r).tolist()] == [row[3] for row in golden.ERROR_FEEDBACK]
+    # finite masters at and near the overflow threshold, many versions: always the largest finite bf16 of their sign
+    x = _f32([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF])
+    r = torch.zeros_like(x)
+    for _ in range(16):
+        assert [b & 0xFFFF for b in _bits(_tri(x, mode="error_feedback", residual=r)).tolist()] == \
+            [0x7F7F, 0xFF7F, 0x7F7F, 0x7F7F]
+
+
 def _specials() -> torch.Tensor:
     """The special patterns, 24 times each, shuffled, so that every value meets every lane and many noises."""
     x = _f32(SPECIALS * 24)
@@ -127,19 +149,20 @@ def _specials() -> torch.Tensor:
 @pytest.mark.parametrize("offset", [0, 3, 2**40 + 1])
 def test_special_values_all_modes(offset):
     x = _specials()
-    for mode in ("stochastic", "nearest"):
+    for mode in ("stochastic", "sticky", "nearest"):
         assert torch.equal(_bits(_tri(x, offset=offset, mode=mode)), _bits(_ref(x, offset=offset, mode=mode))), mode
     # nearest is what the stacks serve today: x.to(bf16) on every non-NaN value (CPU torch writes NaN as 0xFFFF).
     finite_or_inf = ~torch.isnan(x)
     assert torch.equal(_bits(_tri(x, mode="nearest")[finite_or_inf]), _bits(x[finite_or_inf].to(torch.bfloat16)))
     # error feedback with a zero and a non-zero residual: q and the updated residual both match.
-    for start in (torch.zeros_like(x), torch.linspace(-1e-2, 1e-2, x.numel(), device=DEVICE)):
+    specials_r = _f32(SPECIALS * 24).flip(0).contiguous()  # non-finite residuals too: they count as 0
+    for start in (torch.zeros_like(x), torch.linspace(-1e-2, 1e-2, x.numel(), device=DEVICE), specials_r):
         r_tri, r_ref = start.clone(), start.clone()
         q_tri = _tri(x, mode="error_feedback", residual=r_tri)
         q_ref = _ref(x, mode="error_feedback", residual=r_ref)
         assert torch.equal(_bits(q_tri), _bits(q_ref))
         assert torch.equal(_bits(r_tri), _bits(r_ref))
-        assert bool((r_tri[~torch.isfinite(x)] == 0).all())  # non-finite s resets the residual
+        assert bool((r_tri[~torch.isfinite(x)] == 0).all())  # a non-finite master resets the residual
 
 
 def test_contract_invariants_on_specials():
@@ -214,7 +237,7 @@ def _multi_items(mode):
     return items
 
 
-@pytest.mark.parametrize("mode", ["stochastic", "nearest", "error_feedback"])
+@pytest.mark.parametrize("mode", ["stochastic", "sticky", "nearest", "error_feedback"])
 def test_multi_tensor_launch_equals_per_tensor(mode, monkeypatch):
     items = _multi_items(mode)
     aligned = {tc._table_row(i, mode == "error_feedback", i.x.device)[-1] for i in items}

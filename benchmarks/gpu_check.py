@@ -427,7 +427,7 @@ def speed_section() -> None:
 
 def regs_section() -> None:
     """Registers and spills of every variant, compiled for this device's arch (sm_90 under --cpu-smoke)."""
-    from triton_regs import ROWS, WARPS, sweep
+    from triton_regs import MODES, ROWS, WARPS, sweep
 
     if SMOKE:  # this process runs the interpreter; the real compiler runs in a child without TRITON_INTERPRET
         import subprocess
@@ -443,7 +443,7 @@ def regs_section() -> None:
         arch = 90
     else:
         arch = (lambda cc: cc[0] * 10 + cc[1])(torch.cuda.get_device_capability())
-        RESULTS["regs"] = table = sweep(arch, modes=CAST_MODES, rows=ROWS, warps=WARPS)
+        RESULTS["regs"] = table = sweep(arch, modes=tuple(MODES), rows=ROWS, warps=WARPS)  # sticky compiles as stochastic
     say(f"  sm_{arch}: {'mode':<15} {'rows':>5} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6}")
     for row in table:
         say(f"  {'':>6} {row['mode']:<15} {row['rows']:>5} {row['warps']:>5} {row['regs']:>5} {row['stack']:>6} "

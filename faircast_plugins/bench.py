@@ -23,7 +23,7 @@ from . import torch_ref
 from .cast import MODES, available_backends, fair_cast
 from .key import derive_key
 
-BYTES_PER_ELEMENT = {"stochastic": 6, "nearest": 6, "error_feedback": 14, "plain": 6}
+BYTES_PER_ELEMENT = {"stochastic": 6, "sticky": 6, "nearest": 6, "error_feedback": 14, "plain": 6}
 
 
 @dataclass

@@ -168,7 +168,7 @@ class FairCaster:
             raise ValueError(
                 f"error-feedback residual for {name} belongs to a shard at offset {state.offset} with shape "
                 f"{tuple(state.residual.shape)}; got offset {offset}, shape {tuple(src.shape)}. The residual is "
-                f"per-rank state: resume with the same sharding, or use mode='stochastic'."
+                f"per-rank state: resume with the same sharding, or use mode='stochastic' or 'sticky'."
             )
         if state.residual.device != src.device:
             state.residual = state.residual.to(src.device)

@@ -13,7 +13,7 @@
 #
 #   pip install "faircast-plugins[openrlhf]"      # on every node of the Ray cluster, next to openrlhf 0.11.2
 #
-# Other Fair Cast options: --faircast.seed N, --faircast.mode stochastic|error_feedback|nearest,
+# Other Fair Cast options: --faircast.seed N, --faircast.mode stochastic|sticky|error_feedback|nearest,
 # --faircast.ema_decay B, --faircast.audit (logs the faircast/* lag metrics). Without --faircast (or with
 # openrlhf.cli.train_ppo_ray) the run is OpenRLHF's round-to-nearest baseline.
 # ---- end of the Fair Cast notes: below is OpenRLHF's script ----

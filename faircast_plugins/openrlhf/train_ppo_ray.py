@@ -3,7 +3,7 @@
 The same run as ``python -m openrlhf.cli.train_ppo_ray`` plus Fair Cast on the policy:
 
     --faircast                   turn Fair Cast on (alias --faircast.enable)
-    --faircast.mode MODE         stochastic (default), error_feedback or nearest
+    --faircast.mode MODE         stochastic (default), sticky, error_feedback or nearest
     --faircast.seed N            run seed keying the rounding noise (default 0)
     --faircast.ema_decay B       serve fair_cast(EMA of the fp32 master), decay B in [0, 1); 0 = off (default)
     --faircast.audit             log faircast/* lag metrics (also without --faircast: measures the baseline)
@@ -33,7 +33,7 @@ def add_faircast_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--faircast", "--faircast.enable", dest="faircast.enable", action="store_true", default=False,
                        help="unbiased fp32->bf16 copy of the policy (stochastic rounding per ROUNDING.md)")
     group.add_argument("--faircast.mode", dest="faircast.mode", default="stochastic",
-                       help="stochastic (default), error_feedback or nearest")
+                       help="stochastic (default), sticky, error_feedback or nearest")
     group.add_argument("--faircast.seed", dest="faircast.seed", default=0, help="unsigned 64-bit seed of the rounding noise")
     group.add_argument("--faircast.ema_decay", dest="faircast.ema_decay", default=0.0,
                        help="serve the cast of an EMA of the fp32 master with this decay in [0, 1) (default 0: off); "

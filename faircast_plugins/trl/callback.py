@@ -458,7 +458,7 @@ class FairCastCallback(TrainerCallback):
             raise FairCastPatchError(
                 f"resuming from {directory} with {what} under FSDP at world size {world}: the checkpoint's Fair Cast "
                 f"state was written at world size {saved_world}. It is per-rank state of each rank's shards; resume at "
-                f"world size {saved_world}, or train with faircast_mode=stochastic and no EMA."
+                f"world size {saved_world}, or train with faircast_mode=stochastic or sticky and no EMA."
             )
         if state is None:
             raise FairCastPatchError(

@@ -26,7 +26,8 @@ CONFIG_CLASSES = (
 
 _HELP = {
     "faircast": "Fair Cast: unbiased fp32->bf16 export (stochastic rounding) and the loss on the served bf16 copy.",
-    "faircast_mode": "Fair Cast rounding: 'stochastic' (default), 'error_feedback', or 'nearest' (baseline with audit).",
+    "faircast_mode": "Fair Cast rounding: 'stochastic' (default), 'sticky' (thresholds fixed per element: changes as "
+                     "rarely as round-to-nearest), 'error_feedback', or 'nearest' (baseline with audit).",
     "faircast_seed": "Fair Cast seed (unsigned 64-bit), the same on every rank.",
     "faircast_ema_decay": "Fair Cast: serve an EMA of the fp32 master with this decay in [0, 1); 0 = off.",
     "faircast_audit": "Fair Cast audit: log faircast/* metrics (lag, bias, changed fractions); works with faircast off.",

@@ -51,9 +51,9 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     stateful = config.enabled and (config.mode == "error_feedback" or bool(config.ema_decay))
     if lora and stateful and (worker_config.model.get("lora", {}) or {}).get("merge", False):
         raise ValueError(
-            "actor_rollout_ref.faircast with model.lora.merge=true supports mode=stochastic (or nearest) without "
-            "ema_decay: the merged weight W + s*B@A is not a parameter FSDP holds, so there is no per-shard "
-            "error-feedback residual or EMA for it. Use mode=stochastic, or unmerged LoRA."
+            "actor_rollout_ref.faircast with model.lora.merge=true supports mode=stochastic or sticky (or nearest) "
+            "without ema_decay: the merged weight W + s*B@A is not a parameter FSDP holds, so there is no per-shard "
+            "error-feedback residual or EMA for it. Use mode=stochastic or sticky, or unmerged LoRA."
         )
     if lora and strategy != "fsdp2":
         raise ValueError(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from faircast_plugins import derive_key, fair_cast
+from faircast_plugins import derive_key, fair_cast, sticky_key
 from faircast_plugins.key import canonical_name
 
 GRPO_DEFAULTS = dict(
@@ -52,8 +52,10 @@ def expected_for(vllm_name: str, hf: dict) -> torch.Tensor:
 
 
 def expected_served(master: torch.Tensor, *, seed: int, version: int, name: str, mode: str) -> torch.Tensor:
-    """fair_cast of the master, keyed independently of the adapter (ROUNDING.md key schedule)."""
-    return fair_cast(master, key=derive_key(seed, version, canonical_name(name)), mode=mode, backend="torch")
+    """fair_cast of the master, keyed independently of the adapter (ROUNDING.md key schedule; sticky: version-free)."""
+    cname = canonical_name(name)
+    key = sticky_key(seed, cname) if mode == "sticky" else derive_key(seed, version, cname)
+    return fair_cast(master, key=key, mode=mode, backend="torch")
 
 
 class EngineCheck:

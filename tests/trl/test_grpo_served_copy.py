@@ -28,7 +28,7 @@ def run(tiny_model_dir, prompts_dataset, tmp_path, *, check, mode="stochastic", 
     return trainer, forwards, sgd
 
 
-@pytest.mark.parametrize("mode", ["stochastic", "nearest"])
+@pytest.mark.parametrize("mode", ["stochastic", "sticky", "nearest"])
 def test_every_forward_runs_on_fair_cast_of_master(tiny_model_dir, prompts_dataset, tmp_path, mode):
     trainer, forwards, sgd = run(
         tiny_model_dir, prompts_dataset, tmp_path, check=True, mode=mode, faircast=True, faircast_mode=mode,

@@ -83,6 +83,7 @@ MERGE = [*LORA, "actor_rollout_ref.model.lora.merge=true"]
 EF = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_feedback}}"
 EF_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_feedback,audit:true}}"
 EMA = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},ema_decay:0.5}}"
+STICKY = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:sticky}}"
 EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {enable: true, seed: 1234}
 
 
@@ -121,7 +122,10 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                           dict(name="fsdp2_ef_resume", strategy="fsdp2", overrides=[EF_AUDIT], load_checkpoint=ckpt + "_ef"),
                           dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], save_checkpoint=ckpt + "_ema"),
                           dict(name="fsdp_ema_resume", strategy="fsdp", overrides=[EMA], load_checkpoint=ckpt + "_ema"),
-                          dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON, *MERGE], merged_reference=True),
+                          dict(name="fsdp2_sticky", strategy="fsdp2", overrides=[STICKY], delta=True),
+                          # merged LoRA in sticky mode here (stochastic at world 1)
+                          dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[STICKY, *MERGE],
+                               merged_reference=True),
                           dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
                           dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True),
                           dict(name="fsdp2_tied", strategy="fsdp2", overrides=[ON], model_dir=tied_model_dir),

@@ -127,6 +127,7 @@ def test_unsupported_setups_are_refused(override, message):
 @pytest.mark.parametrize("extra", [
     ["actor_rollout_ref.model.lora_rank=8"],                                     # unmerged LoRA
     ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"],  # merged LoRA
+    ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true", "+actor_rollout_ref.faircast.mode=sticky"],
     ["actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded"],
     ["+actor_rollout_ref.faircast.mode=error_feedback"],
     ["+actor_rollout_ref.faircast.ema_decay=0.5"],

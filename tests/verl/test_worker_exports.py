@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faircast_plugins import FairCastConfig, derive_key, fair_cast
+from faircast_plugins import FairCastConfig, derive_key, fair_cast, sticky_key
 
 from .conftest import SEED
 from .test_worker_stateful import reference
@@ -24,11 +24,17 @@ def _expected_v2(r0, case):
     if case.endswith(("_ef", "_ema")):
         mode = dict(mode="error_feedback") if case.endswith("_ef") else dict(ema_decay=0.5)
         return reference(r0, FairCastConfig(enabled=True, seed=SEED, **mode))[2]
-    return {n: fair_cast(m, key=derive_key(SEED, 2, n)) for n, m in r0["masters"].items()}
+    return {n: _served(m, n, "sticky" if case.endswith("_sticky") else "stochastic") for n, m in r0["masters"].items()}
+
+
+def _served(master, name, mode):
+    """fair_cast at version 2 (sticky: under its version-free key)."""
+    key = sticky_key(SEED, name) if mode == "sticky" else derive_key(SEED, 2, name)
+    return fair_cast(master, key=key, mode=mode)
 
 
 DELTA = [(2, "fsdp2_on"), (2, "fsdp_on"), (1, "fsdp2_ef"), (1, "fsdp_ema"), (3, "fsdp2_ema"), (3, "fsdp_ef"),
-         (2, "fsdp2_off"), (2, "fsdp_off")]
+         (2, "fsdp2_off"), (2, "fsdp_off"), (2, "fsdp2_sticky")]
 
 
 @pytest.mark.parametrize("world, case", DELTA, ids=[f"{c}-world{w}" for w, c in DELTA])
@@ -73,13 +79,14 @@ def _targets(names):
 @pytest.mark.parametrize("world", [1, 2])
 def test_merged_lora_serves_fair_cast_of_the_fp32_merge(worker_runs, world):
     """model.lora.merge=true: each LoRA-target weight is served as fair_cast(W + s*B@A in fp32) keyed by its
-    canonical base-weight name at the current version; the other tensors keep verl's round-to-nearest."""
+    canonical base-weight name at the current version (world 2 runs in sticky mode: its version-free key); the other
+    tensors keep verl's round-to-nearest."""
     _, runs = worker_runs(world)
     for r in runs["fsdp2_lora_merge"]:  # every rank exports the full tensors
-        _check_merged(r)
+        _check_merged(r, "sticky" if world == 2 else "stochastic")
 
 
-def _check_merged(r0):
+def _check_merged(r0, mode="stochastic"):
     merged, exported, masters = r0["merged"], r0["exported"], r0["masters"]
     assert r0["version"] == 2 and set(exported) == set(merged)
     targets = _targets(exported)
@@ -89,7 +96,7 @@ def _check_merged(r0):
         if name in targets:
             # the merge really happened: the trained adapters moved the weight away from the frozen base
             assert not torch.equal(merged[name], masters[name]), name
-            expected = fair_cast(merged[name], key=derive_key(SEED, 2, name))
+            expected = _served(merged[name], name, mode)
             sr_vs_rtn += int((bits(expected) != bits(merged[name].to(torch.bfloat16))).sum())
         else:
             expected = merged[name].to(torch.bfloat16)
@@ -104,7 +111,7 @@ def _check_merged(r0):
     adapters = [n for n in masters if ".lora_" in n]
     assert adapters
     for name in adapters:
-        assert torch.equal(bits(forward[name]), bits(fair_cast(masters[name], key=derive_key(SEED, 2, name)))), name
+        assert torch.equal(bits(forward[name]), bits(_served(masters[name], name, mode))), name
 
 
 def test_merged_lora_flag_off_is_verls_round_to_nearest(worker_runs):

@@ -15,7 +15,8 @@ Sections, in this order (the JSON file is rewritten after every section, so a ru
              steps, a 64M-element tensor. Differences where both sides are NaN are listed apart.
   2. export  a Qwen3-1.7B-shaped export (310 tensors, ~1.72e9 elements) in ONE batched call, against 310
              per-tensor launches and the plain cast; target <= 3 ms and >= 85% of the out.copy_(x) bandwidth.
-  3. regs    registers and spills of every compiled variant (mode x ROWS x num_warps) for this device's arch.
+  3. regs    registers and spills of every variant (mode x ROWS x num_warps) as compiled and launched on this
+             device (read from triton's compiled kernel; under --cpu-smoke compiled for sm_90 in a child process).
   4. speed   GB/s for 2**24 .. 2**30 elements (6 B/element for stochastic and nearest, 14 for error feedback)
              against ``out.copy_(x)`` (the plain bf16 cast: the same traffic as the cast), ``x.to(torch.bfloat16)``
              and an fp32 device copy.
@@ -425,9 +426,16 @@ def speed_section() -> None:
             torch.cuda.empty_cache()
 
 
+def compiled_usage(launch) -> dict:
+    """Registers and spilled bytes of the variant that ``launch`` (from ``tc.prepare``) ran on the device."""
+    compiled = getattr(launch, "compiled", None)
+    regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+    return {"regs": regs, "spill_bytes": spills, "spills": bool(spills)}
+
+
 def regs_section() -> None:
-    """Registers and spills of every variant, compiled for this device's arch (sm_90 under --cpu-smoke)."""
-    from triton_regs import MODES, ROWS, WARPS, sweep
+    """Registers and spills of every variant as launched on this device (sm_90 compile under --cpu-smoke)."""
+    from triton_regs import ROWS, WARPS
 
     if SMOKE:  # this process runs the interpreter; the real compiler runs in a child without TRITON_INTERPRET
         import subprocess
@@ -439,17 +447,27 @@ def regs_section() -> None:
                             "--modes", "stochastic", "--rows", str(tc.DEFAULT_ROWS), "--json", f"{tmp}/regs.json"],
                            env=env, check=True, capture_output=True, timeout=600)
             with open(f"{tmp}/regs.json") as fh:
-                RESULTS["regs"] = table = json.load(fh)
-        arch = 90
-    else:
-        arch = (lambda cc: cc[0] * 10 + cc[1])(torch.cuda.get_device_capability())
-        RESULTS["regs"] = table = sweep(arch, modes=tuple(MODES), rows=ROWS, warps=WARPS)  # sticky compiles as stochastic
-    say(f"  sm_{arch}: {'mode':<15} {'rows':>5} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6}")
+                table = json.load(fh)
+    else:  # launch each variant once on a small tensor: the tiles section then reuses these compiled kernels
+        x = torch.randn(1 << 16, device=DEV)
+        out = torch.empty(x.numel(), dtype=torch.bfloat16, device=DEV)
+        res = torch.zeros_like(x)
+        table = []
+        for mode in ("stochastic", "error_feedback", "nearest"):
+            for rows in ROWS if mode != "nearest" else (tc.DEFAULT_ROWS,):
+                for warps in WARPS:
+                    launch = tc.prepare([CastItem(out, x, K, 0, res if mode == "error_feedback" else None)], mode,
+                                        rows=rows, num_warps=warps)
+                    launch()
+                    table.append({"mode": mode, "rows": rows, "warps": warps, **compiled_usage(launch)})
+        sync()
+    RESULTS["regs"] = table
+    say(f"  {'mode':<15} {'rows':>5} {'warps':>5} {'regs':>5} spills")
     for row in table:
-        say(f"  {'':>6} {row['mode']:<15} {row['rows']:>5} {row['warps']:>5} {row['regs']:>5} {row['stack']:>6} "
-            f"{row['local']:>6}{'  SPILLS' if row['spills'] else ''}")
+        say(f"  {row['mode']:<15} {row['rows']:>5} {row['warps']:>5} {row['regs']!s:>5} "
+            f"{'SPILLS' if row['spills'] else 'none'}")
     default = [r for r in table if r["rows"] == tc.DEFAULT_ROWS and r["warps"] == tc.DEFAULT_NUM_WARPS]
-    check("default tile does not spill", not any(r["spills"] for r in default), str(default))
+    check("default tile does not spill", bool(default) and not any(r["spills"] for r in default), str(default))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -468,7 +486,8 @@ def tiles_section() -> None:
         for rows, warps in grid:
             out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
             res = res0.clone() if mode == "error_feedback" else None
-            tc.cast_many([CastItem(out, x, K, 0, res)], mode, rows=rows, num_warps=warps)
+            first = tc.prepare([CastItem(out, x, K, 0, res)], mode, rows=rows, num_warps=warps)
+            first()
             bits = (out.clone(), None if res is None else res.clone())
             if want is None:
                 want = bits
@@ -481,7 +500,8 @@ def tiles_section() -> None:
 
             ms = time_ms(run)
             gbps = bpe * n / ms / 1e6
-            use = next((r for r in RESULTS["regs"] if (r["mode"], r["rows"], r["warps"]) == (mode, rows, warps)), {})
+            use = compiled_usage(first) if not SMOKE else \
+                next((r for r in RESULTS["regs"] if (r["mode"], r["rows"], r["warps"]) == (mode, rows, warps)), {})
             RESULTS["tiles"].append({"mode": mode, "rows": rows, "warps": warps, "ms": ms, "gbps": gbps, "same_bits": ok,
                                      "regs": use.get("regs"), "spills": use.get("spills")})
             say(f"  {'':>10} {mode:<15} {rows:>5} {warps:>5} {ms:>8.3f} {gbps:>8,.0f}   {'same' if ok else 'DIFFERENT'}"

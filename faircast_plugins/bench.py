@@ -20,8 +20,8 @@ from typing import Callable, List
 import torch
 
 from . import torch_ref
-from .cast import MODES, available_backends, fair_cast
-from .key import derive_key
+from .cast import MODES, STOCHASTIC_RULE, available_backends, fair_cast
+from .key import mode_key
 
 BYTES_PER_ELEMENT = {"stochastic": 6, "sticky": 6, "nearest": 6, "error_feedback": 14, "plain": 6}
 
@@ -92,7 +92,6 @@ def _cases(args, device: torch.device, backends: List[str], modes: List[str]) ->
     x = (torch.randn(n, generator=gen) * 0.02).to(device)
     x_ref = x[:n_ref].clone()
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
-    key = derive_key(0, 1, "bench.weight")
     cases = [
         Case(".to(torch.bfloat16)", lambda: x.to(torch.bfloat16), n, 1.0, 6),
         Case("out.copy_(x), preallocated", lambda: out.copy_(x), n, 1.0, 6),
@@ -102,6 +101,7 @@ def _cases(args, device: torch.device, backends: List[str], modes: List[str]) ->
         ref = backend == "torch"
         xb = x_ref if ref else x
         for mode in modes:
+            key = mode_key(0, 1, "bench.weight", mode)  # sticky: the version-free key
             residual = torch.zeros_like(xb) if mode == "error_feedback" else None
             label = f"fair_cast {mode:<14} {backend}"
             if ref:
@@ -126,9 +126,9 @@ def _check(backend: str, mode: str, x: torch.Tensor, key: int) -> str:
     x[: x.numel() // 4096 * 4096].view(-1, 4096)[:, :len(_SPECIALS)] = specials[: min(len(_SPECIALS), x.numel())]
     r_fast = torch.full_like(x, 1e-6) if mode == "error_feedback" else None
     r_ref = None if r_fast is None else r_fast.clone().cpu()
-    got = fair_cast(x, key=key, offset=offset if mode == "stochastic" else 0, mode=mode, residual=r_fast, backend=backend)
-    want = fair_cast(x.cpu(), key=key, offset=offset if mode == "stochastic" else 0, mode=mode, residual=r_ref,
-                     backend="torch")
+    offset = offset if mode in STOCHASTIC_RULE else 0
+    got = fair_cast(x, key=key, offset=offset, mode=mode, residual=r_fast, backend=backend)
+    want = fair_cast(x.cpu(), key=key, offset=offset, mode=mode, residual=r_ref, backend="torch")
     same = torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
     if r_fast is not None:
         same = same and torch.equal(r_fast.cpu().view(torch.int32), r_ref.view(torch.int32))
@@ -195,7 +195,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"{'':<58} {'':>9} {'':>9} {'(min)':>7} {'(min t)':>9} {'(med)':>9} {'(min)':>7} {'(min)':>9} {'(CPU)':>7}")
     for case in cases:
         print(_fmt_row(case, base, args.numel))
-    print("GB/s: 6 B/element (4 read + 2 written), 14 for error_feedback. ratio: throughput / that of "
+    print("GB/s: 6 B/element (4 read + 2 written), 14 for error_feedback. sticky is the stochastic kernel under a "
+          "version-free key, so it should time as stochastic. ratio: throughput / that of "
           ".to(torch.bfloat16), from the best wall times, then the median and minimum of the per-repetition ratios.\n"
           "CPU ms: CPU time of all threads of this process (insensitive to other processes' load); ratio (CPU) "
           "compares it with .to(torch.bfloat16)'s.")

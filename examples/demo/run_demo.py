@@ -4,9 +4,11 @@ Runs on CPU with no downloads (``nox -s demo`` sets everything up):
 
 1. builds a tiny random Qwen3 and a tokenizer on the spot with ``examples/trl/tiny.py``, saved in bf16 (the fp32
    masters start on the bf16 grid);
-2. trains it twice with TRL's GRPOTrainer and a colocated vLLM engine, same seed and data, at a learning rate
-   small enough that most updates are below half a bf16 step: once with TRL's standard export, once with
-   ``faircast=True``; both with ``faircast_audit=True``, which measures without changing the standard run;
+2. trains it three times with TRL's GRPOTrainer and a colocated vLLM engine, same seed and data, at a learning
+   rate small enough that most updates are below half a bf16 step: with TRL's standard export, with
+   ``faircast=True`` (stochastic rounding), and with ``faircast_mode="sticky"`` (thresholds fixed per element:
+   unbiased, and as few served elements change as with the standard export); all with ``faircast_audit=True``,
+   which measures without changing the standard run;
 3. prints a table of the ``faircast/*`` metrics and the reward, and plots master-vs-served lag over steps.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCA
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "trl"))
 
-ARMS = (("standard export", False), ("Fair Cast", True))
+ARMS = (("standard export", None), ("Fair Cast", "stochastic"), ("sticky", "sticky"))  # (label, faircast_mode)
 METRICS = ("faircast/served_changed_frac", "faircast/lag_steps", "faircast/bias_rel", "faircast/bias_rel_cumulative")
 
 
@@ -36,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="out/demo", help="output directory (model, results.json, lag.png)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-vllm", action="store_true", help="generate with the training model instead of vLLM")
+    p.add_argument("--arms", default=",".join(label for label, _ in ARMS),
+                   help=f"comma-separated arms to run (default: {','.join(label for label, _ in ARMS)})")
     return p.parse_args(argv)
 
 
@@ -62,7 +66,7 @@ class Progress:
         return _Progress()
 
 
-def run_arm(label: str, faircast: bool, model_dir: str, args) -> list[dict]:
+def run_arm(label: str, mode, model_dir: str, args) -> list[dict]:
     import faircast_plugins.trl  # noqa: F401  (adds the faircast fields to TRL's configs)
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
@@ -71,13 +75,13 @@ def run_arm(label: str, faircast: bool, model_dir: str, args) -> list[dict]:
     from tiny import PROMPTS, cat_reward  # examples/trl/tiny.py
 
     config = GRPOConfig(
-        output_dir=os.path.join(args.out, "runs", "faircast" if faircast else "standard"),
+        output_dir=os.path.join(args.out, "runs", mode or "standard"),
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=8, beta=0.0,
         use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, data_seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
-        faircast=faircast, faircast_seed=args.seed, faircast_audit=True,
+        faircast=mode is not None, faircast_mode=mode or "stochastic", faircast_seed=args.seed, faircast_audit=True,
     )
     dataset = Dataset.from_dict({"prompt": PROMPTS * 8})
     trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=config, train_dataset=dataset,
@@ -157,9 +161,15 @@ def main(argv=None) -> int:
     print(f"Fair Cast demo: tiny Qwen3 in {model_dir}, {args.steps} GRPO steps per run, Adam lr={args.lr:g}, "
           f"{'training-model generation' if args.no_vllm else 'colocated vLLM engine'}", flush=True)
     histories, summaries = {}, {}
-    for label, faircast in ARMS:
+    wanted = args.arms.split(",")
+    unknown = sorted(set(wanted) - {label for label, _ in ARMS})
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; choose from {', '.join(label for label, _ in ARMS)}")
+    for label, mode in ARMS:
+        if label not in wanted:
+            continue
         print(f"\n== {label} ==", flush=True)
-        histories[label] = run_arm(label, faircast, model_dir, args)
+        histories[label] = run_arm(label, mode, model_dir, args)
         summaries[label] = summarize(histories[label])
     print_table(summaries)
     png = os.path.join(args.out, "lag.png")

@@ -7,7 +7,8 @@ def test_bench_prints_every_case_and_checks_bits(capsys):
     assert main(["bench", "--numel", "40000", "--ref-numel", "10000", "--reps", "2"]) == 0
     out = capsys.readouterr().out
     for label in (".to(torch.bfloat16)", "out.copy_(x), preallocated", "fair_cast stochastic     cpu",
-                  "fair_cast sticky         cpu", "fair_cast nearest        cpu", "fair_cast error_feedback cpu", "reference: timed on 10,000, x4"):
+                  "fair_cast sticky         cpu",
+                  "fair_cast nearest        cpu", "fair_cast error_feedback cpu", "reference: timed on 10,000, x4"):
         assert label in out, label
     assert out.count("bit-identical vs torch reference") == 4 and "MISMATCH" not in out
     assert "repetition 2/2 done" in out

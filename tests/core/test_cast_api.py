@@ -49,11 +49,12 @@ def test_non_contiguous_without_indices_is_refused():
         fair_cast(w[:, 2:5], key=KEY)
 
 
-def test_column_split_with_block_indices_matches_full_cast():
+@pytest.mark.parametrize("mode", ["stochastic", "sticky"])
+def test_column_split_with_block_indices_matches_full_cast(mode):
     w = torch.randn(16, 24)
-    full = fair_cast(w, key=KEY, backend="torch")
+    full = fair_cast(w, key=KEY, mode=mode, backend="torch")
     idx = block_indices(w.shape, (0, 9), (16, 7))
-    part = fair_cast(w[:, 9:16], key=KEY, indices=idx)
+    part = fair_cast(w[:, 9:16], key=KEY, mode=mode, indices=idx)
     assert torch.equal(bits(part), bits(full[:, 9:16].contiguous()))
 
 

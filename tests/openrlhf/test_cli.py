@@ -58,13 +58,14 @@ def _shipped_init():
     return PolicyModelActor.__ray_metadata__.modified_class.init_model_from_pretrained
 
 
-def test_faircast_flags_reach_the_args_every_actor_gets(launch):
+@pytest.mark.parametrize("mode", ["error_feedback", "sticky"])
+def test_faircast_flags_reach_the_args_every_actor_gets(launch, mode):
     from faircast_plugins.openrlhf import config_from_args, policy
 
-    args = launch(BASE + ["--faircast", "--faircast.mode", "error_feedback", "--faircast.seed", "42", "--faircast.audit"])
-    assert vars(args.faircast) == {"enable": True, "mode": "error_feedback", "seed": 42, "ema_decay": 0.0, "audit": True}
+    args = launch(BASE + ["--faircast", "--faircast.mode", mode, "--faircast.seed", "42", "--faircast.audit"])
+    assert vars(args.faircast) == {"enable": True, "mode": mode, "seed": 42, "ema_decay": 0.0, "audit": True}
     config = config_from_args(args)
-    assert (config.enabled, config.mode, config.seed, config.audit) == (True, "error_feedback", 42, True)
+    assert (config.enabled, config.mode, config.seed, config.audit) == (True, mode, 42, True)
     # The class Ray ships to the policy workers now runs Fair Cast's init (stored by reference).
     assert _shipped_init() is policy.init_model_from_pretrained
     assert args.actor.model_name_or_path == "tiny-model"  # OpenRLHF's own args untouched

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast
+from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast, sticky_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -26,7 +26,7 @@ EMA_CONFIGS = SR_CONFIGS
 WORLDS = [1, 2]
 SCENARIOS = (
     [f"{c}:stochastic" for c in SR_CONFIGS] + [f"{c}:off" for c in OFF_CONFIGS] + [f"{c}:error_feedback" for c in EF_CONFIGS]
-    + [f"{c}:ema" for c in EMA_CONFIGS]
+    + [f"{c}:ema" for c in EMA_CONFIGS] + ["z3:sticky"]
 )
 
 
@@ -52,8 +52,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
 
-def expected_sr(masters: dict, version: int) -> dict:
-    return {n: fair_cast(m.contiguous(), key=derive_key(ds_worker.SEED, version, n)) for n, m in masters.items()}
+def expected_sr(masters: dict, version: int, mode: str = "stochastic") -> dict:
+    def key(n):
+        return sticky_key(ds_worker.SEED, n) if mode == "sticky" else derive_key(ds_worker.SEED, version, n)
+
+    return {n: fair_cast(m.contiguous(), key=key(n), mode=mode) for n, m in masters.items()}
 
 
 def assert_same_bits(a: dict, b: dict, what: str) -> None:
@@ -64,14 +67,15 @@ def assert_same_bits(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("config", SR_CONFIGS)
-def test_served_copy_is_fair_cast_of_master(runs, config, world):
-    """After every step, the bf16 weights equal fair_cast(fp32 master) at that weight version, bit for bit."""
+@pytest.mark.parametrize("config,mode", [(c, "stochastic") for c in SR_CONFIGS] + [("z3", "sticky")])
+def test_served_copy_is_fair_cast_of_master(runs, config, mode, world):
+    """After every step, the bf16 weights equal fair_cast(fp32 master) at that weight version, bit for bit
+    (sticky: under its version-free key)."""
     for rank in range(world):
-        rec = runs[(config, "stochastic", world, rank)]
+        rec = runs[(config, mode, world, rank)]
         assert rec["versions"] == list(range(1, ds_worker.STEPS + 1))
         for step, (masters, served) in enumerate(zip(rec["masters"], rec["served"]), start=1):
-            assert_same_bits(served, expected_sr(masters, step), f"{config} world {world} rank {rank} step {step}")
+            assert_same_bits(served, expected_sr(masters, step, mode), f"{config} world {world} rank {rank} step {step}")
         # Fair Cast follows the master: some elements moved to the next bf16 value even though every update
         # was far below half a bf16 step.
         changed = sum(int((bits(rec["served"][-1][n]) != bits(rec["initial"][n])).sum()) for n in rec["initial"])
@@ -130,7 +134,8 @@ def test_error_feedback_matches_the_reference_recursion(runs, config, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("config,mode", [(c, m) for m in ("stochastic", "error_feedback", "ema") for c in ("z2", "z3")])
+@pytest.mark.parametrize("config,mode", [(c, m) for m in ("stochastic", "error_feedback", "ema") for c in ("z2", "z3")]
+                         + [("z3", "sticky")])
 def test_checkpoint_resume_reproduces_the_served_copies(runs, config, mode, world):
     """Save after step 3, resume in a fresh engine (Fair Cast attached after the load, as OpenRLHF does)."""
     for rank in range(world):

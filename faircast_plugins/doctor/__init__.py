@@ -41,6 +41,8 @@ FRAMEWORKS: Dict[str, Tuple[str, ...]] = {
     "torch": ("fsdp",),
 }
 SELF_CHECK_TIMEOUT_S = 600
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
 
 _passed: set = set()
 
@@ -64,13 +66,20 @@ def world_of_one():
 
     if dist.is_initialized():
         raise DoctorFailure("faircast doctor runs its checks in a process without a process group of its own")
+    ranks = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in ranks}
     with tempfile.TemporaryDirectory(prefix="faircast-doctor-") as tmp:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.update(ranks)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             yield tmp
         finally:
             dist.destroy_process_group()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def check_served(what: str, name: str, got, master, version: int, *, seed: int = SEED) -> bool:
@@ -107,7 +116,10 @@ def self_check(distribution: str, version: str) -> None:
         )
     if distribution in _passed:
         return
-    env = {**os.environ, DOCTOR_ENV: "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    # A plain single process: a launcher's rank variables (torchrun, Ray, DeepSpeed) would make the checks join its
+    # process group.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    env[DOCTOR_ENV] = "1"
     cmd = [sys.executable, "-m", "faircast_plugins.cli", "doctor", distribution]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SELF_CHECK_TIMEOUT_S)

@@ -21,6 +21,7 @@ def _tiny_model():
 
 def check() -> List[str]:
     import torch
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..caster import FairCaster
@@ -31,9 +32,10 @@ def check() -> List[str]:
         patches = apply_fsdp_cast_patches()
         model = _tiny_model()
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (1,))  # on the CPU on a GPU machine too
         for layer in (model[0], model[2]):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         names = {id(p): n for n, p in model.named_parameters()}  # the sharded (DTensor) parameters
         caster = FairCaster(FairCastConfig(enabled=True, seed=SEED))
         register_fsdp_module(model, caster)

@@ -110,13 +110,13 @@ class Audit:
 
     def metrics(self, reset: bool = True) -> Dict[str, float]:
         """This process's metrics (``reset=False``: a peek that leaves the sums and the cumulative bias as they are)."""
-        totals = self.totals(reset)
-        return self.report(totals) if reset else finalize(totals)
+        return self.report(self.totals(reset), commit=reset)
 
-    def report(self, totals: Dict[str, float]) -> Dict[str, float]:
+    def report(self, totals: Dict[str, float], *, commit: bool = True) -> Dict[str, float]:
         """The ``faircast/*`` metrics of ``totals`` (this rank's, or summed over every rank), taken from the sums:
-        they also go into ``faircast/bias_rel_cumulative``, the same ratio over everything reported so far."""
-        c = self._cumulative
+        they also go into ``faircast/bias_rel_cumulative``, the same ratio over everything reported so far
+        (``commit=False``: a peek, the cumulative sums stay as they are)."""
+        c = self._cumulative if commit else dict(self._cumulative)
         c["dev_along"] += totals.get("dev_along", 0.0)
         c["abs_update"] += totals.get("abs_update", 0.0)
         out = finalize(totals)

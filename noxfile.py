@@ -32,16 +32,53 @@ def _pytest(session: nox.Session, *paths: str, env: dict | None = None) -> None:
     session.run("python", "-m", "pytest", *paths, "-v", *session.posargs, env={**MALLOC_ENV, **(env or {})})
 
 
-def _core_install(session: nox.Session) -> None:
+def _core_install(session: nox.Session, *, editable: bool = True) -> None:
     session.install(TORCH)
     session.install("triton==3.9.0", "pytest", "numpy")  # numba comes with the package (a dependency)
-    session.install("-e", ".")
+    if editable:
+        session.install("-e", ".")
+    else:
+        _install_built_wheel(session)
+
+
+# Run from outside the checkout, so that only the installed package can be imported.
+INSTALLED_CHECK = """
+import importlib.resources, pathlib, faircast_plugins, faircast_plugins.cli, faircast_plugins.doctor, faircast_trl_hook
+where = pathlib.Path(faircast_plugins.__file__)
+assert 'site-packages' in where.parts, f'faircast_plugins imported from {where}, not from the installed wheel'
+yaml = importlib.resources.files('faircast_plugins.verl') / 'hydra_config' / 'faircast_ppo_trainer.yaml'
+assert yaml.is_file(), 'the verl Hydra config is missing from the wheel'
+print('installed faircast-plugins', faircast_plugins.__version__, 'from', where.parent)
+"""
+
+
+def _install_built_wheel(session: nox.Session) -> None:
+    """The README's install from a checkout, as a newcomer runs it: a wheel built with ``python -m build``, installed
+    (not editable, with an extra) into this fresh virtualenv, then used from a directory outside the checkout."""
+    import glob
+    import shutil
+
+    session.install("build")
+    dist = os.path.join(session.create_tmp(), "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    shutil.rmtree("build", ignore_errors=True)  # setuptools' staging copy: a stale one would ship deleted modules
+    session.run("python", "-m", "build", "--wheel", "--outdir", dist, silent=True)
+    (wheel,) = glob.glob(os.path.join(dist, "faircast_plugins-*.whl"))
+    session.install(f"{wheel}[cpu]")
+    session.install("--force-reinstall", "--no-deps", wheel)  # a reused virtualenv may hold an editable install
+    outside = os.path.join(session.create_tmp(), "outside-checkout")
+    os.makedirs(outside, exist_ok=True)
+    with session.chdir(outside):
+        session.run("python", "-c", INSTALLED_CHECK)
+        session.run("faircast", "selftest")
+        session.run("faircast", "doctor", "torch")  # the FSDP2 self-check, at world size 1 on CPU
 
 
 @nox.session(name="tests-core", python=PYTHON, tags=["tests"])
 def tests_core(session: nox.Session) -> None:
-    """Rounding engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI, served-copy export."""
-    _core_install(session)
+    """The documented install (a built wheel, not editable, checked from outside the checkout); then the rounding
+    engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI, served-copy export, doctor."""
+    _core_install(session, editable=False)
     session.install(TRANSFORMERS_CORE)  # real HF checkpoints for the served-copy export tests
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
 

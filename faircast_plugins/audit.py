@@ -23,15 +23,18 @@ elements). Between two consecutive observed weight versions the tracker reports:
     between two reports they stay bounded while the fp32 updates add up, so read it over tens of steps:
     ``faircast/bias_rel_cumulative`` is the same ratio over everything observed since the tracker started.
 
-Totals are plain sums (see :meth:`Audit.totals`) so adapters can all-reduce them across ranks before
-:func:`finalize`.
+Totals are plain sums (see :meth:`Audit.totals`): :func:`reduce_metrics` adds them over every rank before
+the ratios, the one metrics reduction every adapter uses (so each reports the same ``faircast/*`` set).
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, Optional
+from typing import TYPE_CHECKING, Deque, Dict, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from .caster import FairCaster
 
 #: served dtype -> the integer dtype its bits are compared in
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -87,11 +90,8 @@ class Audit:
             t["served_changed"] += float((q_bits != q_prev_bits).sum())
             t["master_moved"] += float(moved.sum())
             t["moved"] += float(moved.sum())
-            dev_along, abs_update = float((torch.sign(d) * (w - d)).sum()), float(d.abs().sum())
-            t["dev_along"] += dev_along
-            t["abs_update"] += abs_update
-            self._cumulative["dev_along"] += dev_along
-            self._cumulative["abs_update"] += abs_update
+            t["dev_along"] += float((torch.sign(d) * (w - d)).sum())
+            t["abs_update"] += float(d.abs().sum())
             oldest = track.history[0]
             steps = len(track.history)
             drift = (x - oldest) / steps
@@ -111,8 +111,17 @@ class Audit:
         return out
 
     def metrics(self, reset: bool = True) -> Dict[str, float]:
-        out = finalize(self.totals(reset))
-        c = self._cumulative
+        """This process's metrics (``reset=False``: a peek that leaves the sums and the cumulative bias as they are)."""
+        return self.report(self.totals(reset), commit=reset)
+
+    def report(self, totals: Dict[str, float], *, commit: bool = True) -> Dict[str, float]:
+        """The ``faircast/*`` metrics of ``totals`` (this rank's, or summed over every rank), taken from the sums:
+        they also go into ``faircast/bias_rel_cumulative``, the same ratio over everything reported so far
+        (``commit=False``: a peek, the cumulative sums stay as they are)."""
+        c = self._cumulative if commit else dict(self._cumulative)
+        c["dev_along"] += totals.get("dev_along", 0.0)
+        c["abs_update"] += totals.get("abs_update", 0.0)
+        out = finalize(totals)
         if c["abs_update"]:
             out["faircast/bias_rel_cumulative"] = abs(c["dev_along"]) / c["abs_update"]
         return out
@@ -131,4 +140,28 @@ def finalize(t: Dict[str, float]) -> Dict[str, float]:
         out["faircast/bias_rel"] = abs(t["dev_along"]) / t["abs_update"] if t["abs_update"] else 0.0
     if t["lag_den"]:
         out["faircast/lag_steps"] = t["lag_num"] / t["lag_den"]
+    return out
+
+
+def reduce_metrics(caster: "FairCaster", *, group=None, device=None) -> Dict[str, float]:
+    """``faircast/*`` metrics of ``caster`` since the last call, with the audit sums added over every rank of
+    ``group`` before the ratios: the one metrics reduction of every adapter.
+
+    A collective when a process group is initialized and the audit is on: every rank must call it. Ranks that cast
+    the same full tensors (DDP) give the same ratios as one; ranks that cast their own shards (FSDP, ZeRO) give
+    the ratios over the whole model. ``device``: where the sums travel (default: the current CUDA device under
+    NCCL, else the CPU)."""
+    out = {"faircast/version": float(caster.version)}
+    audit = caster.audit
+    if audit is None:
+        return out
+    totals = audit.totals()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        if device is None:
+            device = torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
+        summed = torch.tensor([totals[k] for k in TOTAL_KEYS], dtype=torch.float64, device=device)
+        dist.all_reduce(summed, group=group)
+        totals = dict(zip(TOTAL_KEYS, summed.cpu().tolist()))
+    out.update(audit.report(totals))
     return out

@@ -10,6 +10,11 @@ Lifecycle in an adapter::
     q = caster.cast(name, master_shard, offset=global_offset)   # any number of cast sites, same bits
     optimizer.step()
     caster.advance(named_masters)           # version += 1 (EMA update when ema_decay > 0)
+    caster.rollback()                       # the step was skipped and nothing was cast: version -= 1
+    caster.set_version(step)                # a fresh caster resuming at the trainer's step without saved state
+
+Adapters read ``caster.version`` and never assign it: :meth:`advance`, :meth:`rollback`, :meth:`set_version` and
+:meth:`load_state_dict` are the only ways it moves.
 
 Casting the same parameter twice at one version gives the same bits in every mode: ``stochastic``, ``sticky``
 and ``nearest`` are pure functions of (master, seed, version, name, index); ``error_feedback`` advances its
@@ -76,6 +81,12 @@ class FairCaster:
     def key(self, name: str) -> int:
         """The Philox key of ``name`` at the current version (``sticky``: the same at every version)."""
         return mode_key(self.config.seed, self.version, canonical_name(name), self.mode)
+
+    @property
+    def keeps_state(self) -> bool:
+        """True with per-element state (error feedback, EMA): checkpoints must carry it, and under sharding it is
+        per-rank state of each rank's shard (see :attr:`FairCastConfig.keeps_state`)."""
+        return self.config.keeps_state
 
     # -- casting --------------------------------------------------------------------------------------------
     @property
@@ -212,8 +223,45 @@ class FairCaster:
         self.version += steps
         return self.version
 
+    def rollback(self, steps: int = 1) -> int:
+        """Undo ``steps`` :meth:`advance` calls whose optimizer step did not happen (skipped, or raised).
+
+        Only the count moves back: refused once error feedback has cast a rolled-back version (its residual has
+        absorbed that version and cannot be undone). EMA steps already taken are not undone either: call it
+        before any :meth:`update_ema` of the rolled-back step."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"rollback steps must be an int >= 1, got {steps!r}")
+        target = self.version - steps
+        if target < 0:
+            raise ValueError(f"cannot roll the weight version {self.version} back by {steps}: below 0")
+        ahead = sorted(n for n, s in self._ef.items() if s.version > target + 1)
+        if ahead:
+            raise RuntimeError(
+                f"cannot roll the weight version back to {target}: the error-feedback residual of {ahead[0]} "
+                f"(and {len(ahead) - 1} more) already absorbed version {self._ef[ahead[0]].version - 1}"
+            )
+        self.version = target
+        return target
+
+    def set_version(self, version: int) -> None:
+        """Start counting at ``version``: a caster resuming at the trainer's step from a checkpoint without Fair Cast
+        state. Refused once per-element state (residuals, EMA) exists at another version: moving the count would
+        make it state of a version it never saw (restore it with :meth:`load_state_dict` instead)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"a weight version is an int >= 0, got {version!r}")
+        if version != self.version and (self._ef or self._ema):
+            raise RuntimeError(
+                f"cannot move the weight version from {self.version} to {version}: this caster holds per-element "
+                f"state ({self._state_what()}) of version {self.version}; restore the matching Fair Cast state instead"
+            )
+        self.version = version
+
+    def _state_what(self) -> str:
+        return "error-feedback residuals" if self._ef else "an EMA of the master"
+
     def metrics(self, reset: bool = True) -> Dict[str, float]:
-        """``faircast/*`` metrics since the last call (empty without audit or before two versions were seen)."""
+        """This process's ``faircast/*`` metrics since the last call (only the version without audit or before two
+        versions were seen). Adapters report :func:`faircast_plugins.audit.reduce_metrics`, summed over ranks."""
         out = {"faircast/version": float(self.version)}
         if self.audit is not None:
             out.update(self.audit.metrics(reset))

@@ -73,6 +73,13 @@ class FairCastConfig:
         return self.enabled or self.audit
 
     @property
+    def keeps_state(self) -> bool:
+        """True when the served copy depends on per-element state (error-feedback residuals or an EMA of the master),
+        so it must be saved with every checkpoint and is per-rank state of each rank's shard. The one place this is
+        decided; :attr:`FairCaster.keeps_state` reads it."""
+        return self.enabled and (self.mode == "error_feedback" or bool(self.ema_decay))
+
+    @property
     def effective_mode(self) -> str:
         """The mode casts actually use: ``nearest`` when Fair Cast is off (audit-only runs measure the baseline)."""
         return self.mode if self.enabled else "nearest"

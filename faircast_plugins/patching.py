@@ -2,7 +2,8 @@
 
 One place for the three things each adapter needs:
 
-* a version guard (:func:`require_version`) that names the installed version when it refuses;
+* a version guard (:func:`require_version`) that names the installed version when it refuses, with one explicit
+  opt-in for newer, unverified releases (:data:`ALLOW_UNVERIFIED_ENV`, gated by the ``faircast doctor`` self-check);
 * symbol resolution (:func:`resolve`) that fails loudly when a patch target is missing;
 * a :class:`PatchSet` that checks *every* target before touching any, installs wrappers, can undo them,
   and logs one loud activation line.
@@ -15,6 +16,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,20 +38,64 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def require_version(distribution: str, specifier: str, *, framework: str | None = None) -> str:
-    """Return the installed version of ``distribution`` or raise if it is missing or outside ``specifier``."""
+#: The one opt-in for framework releases newer than the verified range: a comma-separated list of distributions
+#: (``trl``, ``verl``, ``openrlhf``, ``deepspeed``, ``torch``) or ``all``. Fair Cast then still runs only when
+#: every patch target resolves and the ``faircast doctor`` self-check passes on the installed stack.
+ALLOW_UNVERIFIED_ENV = "FAIRCAST_ALLOW_UNVERIFIED"
+#: Set by ``faircast doctor`` in its own process: the doctor is the self-check, so it patches unverified
+#: (newer) releases to test them without asking for the opt-in, and does not start itself again.
+DOCTOR_ENV = "FAIRCAST_DOCTOR"
+
+
+def unverified_allowed(distribution: str) -> bool:
+    """True when :data:`ALLOW_UNVERIFIED_ENV` names ``distribution`` (or ``all``)."""
+    names = {n.strip().lower() for n in os.environ.get(ALLOW_UNVERIFIED_ENV, "").split(",") if n.strip()}
+    return "all" in names or distribution.lower() in names
+
+
+def _newer_than_verified(version: str, specifier: str) -> bool:
+    """True when ``version`` is above the verified range (past its upper bound), not below it."""
+    spec = SpecifierSet(specifier, prereleases=True)
+    lower = [s for s in spec if s.operator in (">=", ">", "==", "~=")]
+    return Version(version) not in spec and all(Version(version) > Version(s.version) for s in lower)
+
+
+def check_version(distribution: str, specifier: str, *, framework: str | None = None) -> tuple[str, bool]:
+    """``(installed version, verified)``: raise if ``distribution`` is missing or outside ``specifier``, unless it
+    is newer and opted in with :data:`ALLOW_UNVERIFIED_ENV` (or checked by ``faircast doctor``): then
+    ``verified`` is False and the caller must run the self-check (:meth:`PatchSet.check` does)."""
     name = framework or distribution
     version = installed_version(distribution)
     if version is None:
         raise FairCastPatchError(
             f"Fair Cast for {name} needs the '{distribution}' package ({specifier}), which is not installed."
         )
-    if Version(version) not in SpecifierSet(specifier, prereleases=True):
-        raise FairCastPatchError(
-            f"Fair Cast supports {distribution}{specifier}; the installed {distribution} is {version}. "
-            f"Its patch points have not been verified for {version}, so Fair Cast refuses to run rather than "
-            f"silently leave the export or the loss on a round-to-nearest copy."
+    if Version(version) in SpecifierSet(specifier, prereleases=True):
+        return version, True
+    newer = _newer_than_verified(version, specifier)
+    if newer and (unverified_allowed(distribution) or os.environ.get(DOCTOR_ENV)):
+        return version, False
+    msg = (
+        f"Fair Cast supports {distribution}{specifier}; the installed {distribution} is {version}. "
+        f"Its patch points have not been verified for {version}, so Fair Cast refuses to run rather than "
+        f"silently leave the export or the loss on a round-to-nearest copy."
+    )
+    if newer:
+        msg += (
+            f" To run on it anyway, set {ALLOW_UNVERIFIED_ENV}={distribution} (on every node): Fair Cast then "
+            f"proceeds only if every patch target resolves and `faircast doctor {distribution}` passes on this stack."
         )
+    else:
+        msg += f" Upgrade {distribution} to the verified range."
+    raise FairCastPatchError(msg)
+
+
+def require_version(distribution: str, specifier: str, *, framework: str | None = None) -> str:
+    """Return the installed version of ``distribution`` or raise if it is missing or outside ``specifier`` (the
+    strict guard: no opt-in; see :func:`check_version`)."""
+    version, verified = check_version(distribution, specifier, framework=framework)
+    if not verified:
+        raise FairCastPatchError(f"Fair Cast supports {distribution}{specifier}; the installed {distribution} is {version}")
     return version
 
 
@@ -107,6 +153,7 @@ class PatchSet:
     _wanted: list[tuple[str, Callable[[Any], Any]]] = field(default_factory=list)
     _applied: list[_Applied] = field(default_factory=list)
     version: str | None = None
+    verified: bool = True
 
     def wrap(self, target: str, factory: Callable[[Any], Any]) -> "PatchSet":
         """Register a patch: ``factory(original)`` returns the replacement for ``target``."""
@@ -122,8 +169,11 @@ class PatchSet:
         return [t for t, _ in self._wanted]
 
     def check(self) -> str:
-        """Check the installed version and that every target exists. Returns the version."""
-        self.version = require_version(self.distribution, self.specifier, framework=self.framework)
+        """Check the installed version and that every target exists. Returns the version.
+
+        A newer release opted in with :data:`ALLOW_UNVERIFIED_ENV` passes only when every target resolves and the
+        ``faircast doctor`` self-check for it passes on this stack; it is then logged loudly as unverified."""
+        self.version, self.verified = check_version(self.distribution, self.specifier, framework=self.framework)
         missing = []
         for target, _ in self._wanted:
             try:
@@ -136,7 +186,22 @@ class PatchSet:
                 + "; ".join(missing)
                 + f". Supported: {self.distribution}{self.specifier}."
             )
+        if not self.verified:
+            self._check_unverified()
         return self.version
+
+    def _check_unverified(self) -> None:
+        if os.environ.get(DOCTOR_ENV):
+            return  # this is the doctor's process: it is the self-check
+        from .doctor import self_check  # the doctor, not the adapters, knows how to check each framework
+
+        self_check(self.distribution, self.version)
+        logger.warning(
+            "Fair Cast UNVERIFIED: %s %s is outside the verified range %s%s; running because %s=%s, every patch "
+            "target resolved and `faircast doctor %s` passed on this stack. Watch the faircast/* metrics.",
+            self.framework, self.version, self.distribution, self.specifier, ALLOW_UNVERIFIED_ENV,
+            os.environ.get(ALLOW_UNVERIFIED_ENV, ""), self.distribution,
+        )
 
     def apply(self, *, details: str = "") -> "PatchSet":
         """Check everything, then install every wrapper. Idempotent."""
@@ -154,6 +219,9 @@ class PatchSet:
         except BaseException:
             self.remove()
             raise
+        if not self.verified:
+            details = f"UNVERIFIED {self.distribution} {self.version} (verified: {self.specifier})" + (
+                f"; {details}" if details else "")
         log_activation(self.framework, self.version, self.targets, details)
         return self
 

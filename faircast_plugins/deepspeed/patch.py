@@ -157,10 +157,10 @@ class DeepSpeedFairCast:
             with self._intercepting(interceptor):
                 result = original(self.engine, *args, **kwargs)
         except BaseException:
-            self.caster.version -= 1
+            self.caster.rollback()
             raise
         if interceptor.elements_cast == 0:
-            self.caster.version -= 1  # nothing was cast at the new version
+            self.caster.rollback()  # nothing was cast at the new version
             if getattr(self.engine.optimizer, "overflow", False):
                 return result  # DeepSpeed skipped this step: the weights did not change
             raise FairCastPatchError(
@@ -219,7 +219,7 @@ class DeepSpeedFairCast:
                     f"resuming with faircast {per_rank} needs this rank's Fair Cast state, but {path} does not "
                     f"exist (checkpoint written without Fair Cast, or with a different world size)"
                 )
-            self.caster.version = int(self.engine.global_steps)
+            self.caster.set_version(int(self.engine.global_steps))
             logger.warning("Fair Cast: %s has no Fair Cast state; weight version set to the engine's global step %d",
                            tag_dir, self.caster.version)
             self.recast_after_load()
@@ -240,11 +240,11 @@ class DeepSpeedFairCast:
 
     def _per_rank_state(self) -> str:
         """What per-partition state this run keeps ("" for none)."""
+        if not self.caster.keeps_state:
+            return ""
         if self.caster.mode == "error_feedback":
             return "mode=error_feedback (residuals)"
-        if self.caster.ema_on:
-            return f"ema_decay={self.caster.config.ema_decay} (EMA of the master)"
-        return ""
+        return f"ema_decay={self.caster.config.ema_decay} (EMA of the master)"
 
 
 def _regather_persistent(params) -> None:

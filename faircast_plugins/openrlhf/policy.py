@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-import torch
-
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..patching import FairCastPatchError, PatchSet
@@ -60,21 +58,10 @@ def attach_to_policy(policy_actor, args) -> None:
 
 def policy_metrics(engine) -> dict:
     """``faircast/*`` metrics of the policy engine since the last call, summed over all ranks (a collective)."""
-    from ..audit import TOTAL_KEYS, finalize
+    from ..audit import reduce_metrics
 
     fc = engine.__dict__.get("_faircast")
-    if fc is None:
-        return {}
-    out = {"faircast/version": float(fc.caster.version)}
-    if fc.caster.audit is not None:
-        totals = fc.caster.audit.totals()
-        t = torch.tensor([totals[k] for k in TOTAL_KEYS], dtype=torch.float64)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_backend() == "nccl":
-                t = t.cuda()
-            torch.distributed.all_reduce(t)
-        out.update(finalize(dict(zip(TOTAL_KEYS, t.cpu().tolist()))))
-    return out
+    return reduce_metrics(fc.caster) if fc is not None else {}
 
 
 # -- what runs inside the Ray actor (stored by reference in the shipped class) ---------------------------------

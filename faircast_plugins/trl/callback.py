@@ -43,7 +43,7 @@ from typing import Dict, Optional
 import torch
 from transformers import TrainerCallback
 
-from ..audit import finalize
+from ..audit import reduce_metrics
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
@@ -70,7 +70,6 @@ class FairCastCallback(TrainerCallback):
         self.resume_dir: Optional[str] = None
         self.deepspeed = None  # the attached DeepSpeedFairCast under DeepSpeed
         self.fsdp_names: Dict[str, str] = {}  # under FSDP (Fair Cast on): registered name -> canonical cast name
-        self._cumulative = {"dev_along": 0.0, "abs_update": 0.0}  # FSDP audit, summed over ranks
 
     @property
     def on_deepspeed(self) -> bool:
@@ -91,8 +90,7 @@ class FairCastCallback(TrainerCallback):
     def stateful(self) -> bool:
         """True under FSDP with error feedback or an EMA: the served copy depends on per-element state that each rank
         keeps for its own shards, so the export assembles it from every rank and checkpoints hold a file per rank."""
-        cfg = self.config
-        return self.on_fsdp and cfg.enabled and (cfg.mode == "error_feedback" or bool(cfg.ema_decay))
+        return self.on_fsdp and self.caster.keeps_state
 
     # -- setup ----------------------------------------------------------------------------------------------
     def _collect(self) -> Dict[str, torch.nn.Parameter]:
@@ -122,7 +120,7 @@ class FairCastCallback(TrainerCallback):
         engine = self.trainer.deepspeed
         if self.deepspeed is not None and self.deepspeed.engine is engine:
             return  # a second train() on the same engine
-        self.caster.version = state.global_step  # a DeepSpeed resume then restores the saved state
+        self.caster.set_version(state.global_step)  # a DeepSpeed resume then restores the saved state
         module = self.trainer.accelerator.unwrap_model(self.trainer.model)
         self.deepspeed = apply_deepspeed_patch(engine, self.caster, module=module)
         if self.caster.version != state.global_step:
@@ -180,7 +178,7 @@ class FairCastCallback(TrainerCallback):
                     "(error-feedback residuals, EMA) fresh at weight version %d", state.global_step, STATE_FILE,
                     state.global_step,
                 )
-            self.caster.version = state.global_step
+            self.caster.set_version(state.global_step)
         elif self.caster.version != state.global_step:
             raise RuntimeError(
                 f"Fair Cast state in {self.resume_dir} is at weight version {self.caster.version} but the trainer "
@@ -295,24 +293,9 @@ class FairCastCallback(TrainerCallback):
 
     # -- metrics --------------------------------------------------------------------------------------------
     def metrics(self) -> Dict[str, float]:
-        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``).
-
-        Under FSDP each rank audits its own shards, so the sums are all-reduced: a collective, and every rank calls
-        ``Trainer.log``."""
-        audit = self.caster.audit
-        if not (self.on_fsdp and audit is not None and torch.distributed.is_initialized()):
-            return self.caster.metrics()
-        totals = audit.totals()
-        keys = sorted(totals)
-        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.trainer.accelerator.device)
-        torch.distributed.all_reduce(summed)
-        totals = dict(zip(keys, summed.cpu().tolist()))
-        out = {"faircast/version": float(self.caster.version), **finalize(totals)}
-        self._cumulative["dev_along"] += totals.get("dev_along", 0.0)
-        self._cumulative["abs_update"] += totals.get("abs_update", 0.0)
-        if self._cumulative["abs_update"]:
-            out["faircast/bias_rel_cumulative"] = abs(self._cumulative["dev_along"]) / self._cumulative["abs_update"]
-        return out
+        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``), summed over ranks
+        (:func:`audit.reduce_metrics`: a collective when distributed, and every rank calls ``Trainer.log``)."""
+        return reduce_metrics(self.caster, device=self.trainer.accelerator.device)
 
     def fsdp_export(self, stream):
         """Under FSDP: TRL's stream of gathered full fp32 masters (``(name, tensor)``, one at a time), with every

@@ -48,8 +48,7 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"than verl; that copy is not patched (see docs/verl.md)."
         )
     lora = worker_config.model.get("lora_rank", 0) or 0
-    stateful = config.enabled and (config.mode == "error_feedback" or bool(config.ema_decay))
-    if lora and stateful and (worker_config.model.get("lora", {}) or {}).get("merge", False):
+    if lora and config.keeps_state and (worker_config.model.get("lora", {}) or {}).get("merge", False):
         raise ValueError(
             "actor_rollout_ref.faircast with model.lora.merge=true supports mode=stochastic or sticky (or nearest) "
             "without ema_decay: the merged weight W + s*B@A is not a parameter FSDP holds, so there is no per-shard "

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import torch
 
-from ..audit import finalize
+from ..audit import reduce_metrics
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
@@ -30,13 +30,11 @@ class EngineFairCast:
     module: Any = None  # the engine's FSDP module (its registered shards hold the per-element state)
     canonical: Set[str] = field(default_factory=set)
     peft: bool = False  # LoRA (unmerged): base weights and adapters are exported separately
-    cumulative: Dict[str, float] = field(default_factory=lambda: {"dev_along": 0.0, "abs_update": 0.0})
 
     @property
     def stateful(self) -> bool:
         """Error feedback or EMA: the served copy depends on per-element state kept for this rank's shards only."""
-        config = self.caster.config
-        return config.enabled and (config.mode == "error_feedback" or bool(config.ema_decay))
+        return self.caster.keeps_state
 
 
 def state_of(engine) -> Optional[EngineFairCast]:
@@ -136,7 +134,7 @@ def served_full(state: EngineFairCast, name: str, shape, device, shards=None) ->
 def advance(state: EngineFairCast) -> None:
     """After an optimizer step: the next FSDP cast and the next export use the new weight version (EMA: this
     rank's shards move towards the updated masters, elementwise, so the shards together are the full EMA)."""
-    ema = state.caster.config.enabled and state.caster.config.ema_decay
+    ema = state.caster.ema_on
     state.caster.advance(
         [(name, master) for name, (_, master) in registered_shards(state.module).items()] if ema else None
     )
@@ -261,10 +259,7 @@ def load(state: EngineFairCast, local_path: str) -> bool:
 
 def metrics(state: EngineFairCast, device=None) -> Dict[str, float]:
     """``faircast/*`` metrics since the last call, summed over every rank (collective when distributed)."""
-    out = {"faircast/version": float(state.caster.version)}
-    audit = state.caster.audit
-    if audit is None:
-        return out
+    return reduce_metrics(state.caster, device=device)
     totals = audit.totals()
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         keys = sorted(totals)

@@ -240,3 +240,55 @@ def test_audit_keeps_a_full_cast_and_a_shard_cast_of_one_name_apart():
         x += 1e-3
         caster.advance()
     assert caster.metrics()["faircast/master_moved_frac"] == 1.0
+
+
+# -- the weight version and per-element state, as the adapters use them --------------------------------------
+
+
+@pytest.mark.parametrize("cfg, keeps", [
+    (FairCastConfig(enabled=True), False),
+    (FairCastConfig(enabled=True, mode="nearest"), False),
+    (FairCastConfig(enabled=True, mode="error_feedback"), True),
+    (FairCastConfig(enabled=True, ema_decay=0.5), True),
+    (FairCastConfig(enabled=False, mode="error_feedback", audit=True), False),  # off: casts round to nearest
+])
+def test_keeps_state_is_decided_by_the_caster(cfg, keeps):
+    assert FairCaster(cfg).keeps_state is keeps
+    assert cfg.keeps_state is keeps
+
+
+def test_set_version_starts_a_fresh_caster_and_refuses_to_move_existing_state():
+    caster = FairCaster(FairCastConfig(enabled=True, mode="error_feedback"))
+    caster.set_version(5)
+    assert caster.version == 5
+    caster.cast("w", torch.randn(8))
+    caster.set_version(5)  # the same version: nothing moves
+    with pytest.raises(RuntimeError, match="per-element state"):
+        caster.set_version(0)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="version"):
+            FairCaster().set_version(bad)
+
+
+def test_rollback_undoes_advances_that_cast_nothing():
+    caster = FairCaster(FairCastConfig(enabled=True))
+    caster.advance()
+    caster.advance()
+    assert caster.rollback() == 1 and caster.version == 1
+    with pytest.raises(ValueError, match="steps"):
+        caster.rollback(0)
+    with pytest.raises(ValueError, match="below 0"):
+        caster.rollback(2)
+
+
+def test_rollback_refuses_once_error_feedback_cast_the_new_version():
+    caster = FairCaster(FairCastConfig(enabled=True, mode="error_feedback"))
+    x = torch.randn(8)
+    caster.cast("w", x)
+    caster.advance()
+    caster.rollback()  # nothing cast at version 1 yet: fine
+    assert caster.version == 0
+    caster.advance()
+    caster.cast("w", x)  # version 1 cast: its residual cannot be undone
+    with pytest.raises(RuntimeError, match="error-feedback"):
+        caster.rollback()

@@ -1,0 +1,171 @@
+"""``faircast doctor``: prove, on the installed stack, on CPU, in seconds, that Fair Cast's patched path works.
+
+Each check runs the real patched code on a tiny model built in-process (no downloads) and compares what the
+engine would be sent, and what the forward computes with, to ``fair_cast(master)`` keyed independently
+(ROUNDING.md), and to round-to-nearest (they must differ somewhere, or the check proves nothing):
+
+* ``fsdp``: torch FSDP2's patched bf16 cast, in-process at world size 1 (verl's and TRL's FSDP path);
+* ``deepspeed``: DeepSpeed's patched fp32 -> bf16 copy-back, ZeRO-2 at world size 1 (OpenRLHF's path, TRL's);
+* ``trl``: a tiny GRPO run with the Fair Cast callback (every forward on the served copy) and TRL's vLLM export
+  iterator (``VLLMGeneration._iter_named_params``) yielding the served bf16 bits.
+
+It is what a user runs on their cluster before a long run, and what :data:`~faircast_plugins.patching.
+ALLOW_UNVERIFIED_ENV` requires before Fair Cast runs on a framework release newer than the verified range
+(:func:`self_check`, in a subprocess so the check's process group and patches never touch the caller's).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import time
+import contextlib
+import tempfile
+from typing import Dict, List, Tuple
+
+from ..patching import ALLOW_UNVERIFIED_ENV, DOCTOR_ENV, FairCastPatchError, installed_version
+
+#: check -> module with ``check() -> list[str]`` (evidence lines; raises :class:`DoctorFailure`)
+CHECKS: Dict[str, str] = {
+    "fsdp": "faircast_plugins.doctor.fsdp",
+    "deepspeed": "faircast_plugins.doctor.deepspeed",
+    "trl": "faircast_plugins.doctor.trl",
+}
+#: framework (its pip distribution) -> the checks that run its patched path
+FRAMEWORKS: Dict[str, Tuple[str, ...]] = {
+    "trl": ("trl",),
+    "verl": ("fsdp",),
+    "openrlhf": ("deepspeed",),
+    "deepspeed": ("deepspeed",),
+    "torch": ("fsdp",),
+}
+SELF_CHECK_TIMEOUT_S = 600
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+
+_passed: set = set()
+
+
+class DoctorFailure(AssertionError):
+    """A doctor check ran and found Fair Cast's bits missing where they must be."""
+
+
+def expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise DoctorFailure(message)
+
+
+SEED = 20240611  # any seed: the checks derive the expected bits from it independently
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A gloo process group of one rank (file store in a temporary directory: no port), torn down afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise DoctorFailure("faircast doctor runs its checks in a process without a process group of its own")
+    ranks = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in ranks}
+    with tempfile.TemporaryDirectory(prefix="faircast-doctor-") as tmp:
+        os.environ.update(ranks)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield tmp
+        finally:
+            dist.destroy_process_group()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def check_served(what: str, name: str, got, master, version: int, *, seed: int = SEED) -> bool:
+    """Raise unless ``got`` is bit for bit ``fair_cast(master)`` at ``version`` (key derived here, not by the caster);
+    return True when it differs from round-to-nearest somewhere (the check could tell the two apart)."""
+    import torch
+
+    from ..cast import fair_cast
+    from ..key import canonical_name, derive_key
+
+    want = fair_cast(master.detach().float().cpu(), key=derive_key(seed, version, canonical_name(name)),
+                     mode="stochastic", backend="torch")
+    got = got.detach().cpu()
+    expect(got.dtype == torch.bfloat16, f"{what}: {name} is {got.dtype}, not the bf16 served copy")
+    expect(got.shape == want.shape, f"{what}: {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    expect(bad == 0, f"{what}: {bad} of {want.numel()} elements of {name} at weight version {version} are not "
+                     f"fair_cast(master): Fair Cast's bits did not reach it")
+    return not torch.equal(want, master.detach().float().cpu().to(torch.bfloat16))
+
+
+def run_check(name: str) -> List[str]:
+    """Run one check in this process; returns its evidence lines, raises on failure."""
+    return importlib.import_module(CHECKS[name]).check()
+
+
+def self_check(distribution: str, version: str) -> None:
+    """The gate of :data:`ALLOW_UNVERIFIED_ENV`: ``faircast doctor DISTRIBUTION`` must pass on this stack (run once
+    per process, in a subprocess at world size 1). Raises :class:`FairCastPatchError` otherwise."""
+    if distribution not in FRAMEWORKS:
+        raise FairCastPatchError(
+            f"{ALLOW_UNVERIFIED_ENV} names {distribution}, but faircast doctor has no self-check for it, so an "
+            f"unverified {distribution} {version} cannot be allowed; install a verified release"
+        )
+    if distribution in _passed:
+        return
+    # A plain single process: a launcher's rank variables (torchrun, Ray, DeepSpeed) would make the checks join its
+    # process group.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    env[DOCTOR_ENV] = "1"
+    cmd = [sys.executable, "-m", "faircast_plugins.cli", "doctor", distribution]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SELF_CHECK_TIMEOUT_S)
+        failed, output = proc.returncode != 0, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        failed, output = True, f"timed out after {SELF_CHECK_TIMEOUT_S} s"
+    if failed:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise FairCastPatchError(
+            f"{ALLOW_UNVERIFIED_ENV} allows the unverified {distribution} {version}, but its self-check "
+            f"`faircast doctor {distribution}` failed on this stack, so Fair Cast refuses to run on it:\n{tail}"
+        )
+    _passed.add(distribution)
+
+
+def _installed_frameworks() -> List[str]:
+    return [d for d in FRAMEWORKS if installed_version(d) is not None]
+
+
+def add_doctor_arguments(parser) -> None:
+    parser.add_argument("frameworks", nargs="*", metavar="FRAMEWORK",
+                        help=f"which to check: {', '.join(FRAMEWORKS)} (default: every one installed)")
+
+
+def run_doctor(args) -> int:
+    os.environ[DOCTOR_ENV] = "1"  # patch newer (unverified) releases here: this run is their self-check
+    frameworks = args.frameworks or _installed_frameworks()
+    unknown = sorted(set(frameworks) - set(FRAMEWORKS))
+    if unknown:
+        print(f"faircast doctor: unknown framework(s) {unknown}; known: {', '.join(FRAMEWORKS)}")
+        return 2
+    checks = list(dict.fromkeys(c for f in frameworks for c in FRAMEWORKS[f]))
+    failed = 0
+    for name in checks:
+        start = time.perf_counter()
+        try:
+            lines = run_check(name)
+        except Exception as exc:  # noqa: BLE001 -- every failure is reported, with its type
+            failed += 1
+            print(f"FAIL {name} ({time.perf_counter() - start:.1f} s): {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(f"PASS {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+        for line in lines:
+            print(f"     {line}", flush=True)
+    print(f"faircast doctor: {len(checks) - failed} of {len(checks)} check(s) passed ({', '.join(frameworks)})")
+    return 1 if failed else 0
+
+
+__all__ = ["CHECKS", "FRAMEWORKS", "DoctorFailure", "check_served", "expect", "run_check", "self_check", "world_of_one"]

@@ -148,8 +148,10 @@ def test_stateful_modes_with_merged_lora_are_refused(mode_value):
     fc = read_faircast(OmegaConf.create({"faircast": mode_value}))
     with pytest.raises(ValueError, match="lora.merge=true supports mode=stochastic"):
         check_supported(fc, cfg.actor_rollout_ref)
-    opted = OmegaConf.merge(cfg.actor_rollout_ref, {"faircast": {"enable": True, "allow_merged_lora": True}})
-    check_supported(read_faircast(opted), opted)  # control: stochastic, opted in
+    opted = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["actor_rollout_ref.model.lora_rank=8",
+                                                            "actor_rollout_ref.model.lora.merge=true",
+                                                            "+actor_rollout_ref.faircast.allow_merged_lora=true"])
+    check_supported(read_faircast(opted.actor_rollout_ref), opted.actor_rollout_ref)  # control: stochastic, opted in
 
 
 # -- plugin activation ----------------------------------------------------------------------------------------

@@ -71,6 +71,11 @@ class _Group:
     def execute_all(self, method_name, *args, **kwargs):
         return list(self.answers)
 
+    def __getattr__(self, name):  # the other execute modes of the worker's methods (only init_model is called)
+        if name.startswith("execute_"):
+            return self.execute_all
+        raise AttributeError(name)
+
 
 def _bound_init_model(answers, config=None):
     """``init_model`` bound on a worker group the way verl's driver binds it (``WorkerGroup._bind_worker_method``
@@ -139,8 +144,9 @@ def test_merged_lora_needs_the_explicit_opt_in():
     fc = read_faircast(opted.actor_rollout_ref)
     assert fc.enabled and fc.mode == "stochastic"
     check_supported(fc, opted.actor_rollout_ref)
+    bad = OmegaConf.create({"faircast": {"enable": True, "allow_merged_lora": "maybe"}})
     with pytest.raises(ValueError, match="allow_merged_lora must be true or false"):
-        check_supported(fc, OmegaConf.merge(opted.actor_rollout_ref, {"faircast": {"allow_merged_lora": "maybe"}}))
+        check_supported(fc, OmegaConf.merge(OmegaConf.to_container(opted.actor_rollout_ref), bad))
 
 
 # -- 4. a skipped optimizer step -------------------------------------------------------------------------------

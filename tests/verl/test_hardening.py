@@ -139,8 +139,8 @@ def test_merged_lora_needs_the_explicit_opt_in():
     cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true", *merge])
     with pytest.raises(ValueError, match="allow_merged_lora=true"):
         check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
-    opted = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast.enable=true",
-                                                            "+actor_rollout_ref.faircast.allow_merged_lora=true", *merge])
+    opt_in = ["+actor_rollout_ref.faircast.enable=true", "+actor_rollout_ref.faircast.allow_merged_lora=true"]
+    opted = compose(cpu_overrides("/x", "fsdp2", 8, 1) + opt_in + merge)
     fc = read_faircast(opted.actor_rollout_ref)
     assert fc.enabled and fc.mode == "stochastic"
     check_supported(fc, opted.actor_rollout_ref)

@@ -19,7 +19,6 @@ from typing import Callable, List
 
 import torch
 
-from . import torch_ref
 from .cast import MODES, STOCHASTIC_RULE, available_backends, fair_cast
 from .key import mode_key
 

@@ -102,7 +102,9 @@ class FairCaster:
         m = self._ema.get(name)
         if m is None:
             m = self._ema[name] = master.detach().clone()
-        return m if m.device == master.device else m.to(master.device)
+        elif m.device != master.device:  # e.g. restored on the CPU: move it once, not at every cast
+            m = self._ema[name] = m.to(master.device)
+        return m
 
     def has_ema(self, name: str) -> bool:
         return canonical_name(name) in self._ema
@@ -184,7 +186,9 @@ class FairCaster:
         if state.residual.device != src.device:
             state.residual = state.residual.to(src.device)
         if state.version == self.version + 1 and state.served is not None:
-            q = state.served.to(src.device)  # this version was already cast: same bits again
+            if state.served.device != src.device:
+                state.served = state.served.to(src.device)
+            q = state.served  # this version was already cast: same bits again
             if out is not None:
                 out.copy_(q)
                 return out
@@ -216,6 +220,8 @@ class FairCaster:
                 m = self._ema.get(cname)
                 if m is None:
                     m = self._ema[cname] = x.detach().clone()
+                elif m.device != x.device:  # keep the EMA on the master's device (as update_ema does)
+                    m = self._ema[cname] = m.to(x.device)
                 for _ in range(steps):
                     _ema_step(m, x, self.config.ema_decay)
         if self.mode == "error_feedback" and steps > 1:

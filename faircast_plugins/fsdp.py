@@ -280,24 +280,19 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     return registered
 
 
-def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
-    """This rank's fp32 master shard of every registered parameter of ``root``, as FSDP's cast reads it.
-
-    Returns ``{canonical name: (global flat index of the shard's first element, flat fp32 view)}``; parameters
-    with no elements on this rank are left out. Stateful modes (error feedback, EMA) keep their per-element
-    state for exactly these shards, so an export assembles the served copy from them (see ``caster.cast``).
-    """
-    shards: Dict[str, Tuple[int, torch.Tensor]] = {}
+def _registered(root: nn.Module):
+    """``(canonical name, global offset, flat fp32 shard, full shape)`` of each registered parameter with elements on
+    this rank, as FSDP's cast reads them."""
     for module in root.modules():
         handle = getattr(module, "_handle", None)
         spec = getattr(handle, _ATTR, None) if handle is not None else None
         if spec is not None:
             flat = handle.flat_param
             local = flat._local_shard
-            for name, info in zip(spec.names, flat._shard_param_infos):
+            for name, info, shape in zip(spec.names, flat._shard_param_infos, flat._shapes):
                 if name is not None and info.in_shard and info.numel_in_shard:
                     start = info.offset_in_shard
-                    shards[name] = (info.intra_param_start_idx, local[start: start + info.numel_in_shard])
+                    yield name, info.intra_param_start_idx, local[start: start + info.numel_in_shard], tuple(shape)
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
             continue
@@ -305,8 +300,24 @@ def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
             for fsdp_param in group.fsdp_params:
                 pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
                 if pspec is not None and pspec.numel:
-                    shards[pspec.name] = (pspec.offset, fsdp_param._sharded_param_data[: pspec.numel])
-    return shards
+                    yield (pspec.name, pspec.offset, fsdp_param._sharded_param_data[: pspec.numel],
+                           tuple(fsdp_param.sharded_param.shape))
+
+
+def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
+    """This rank's fp32 master shard of every registered parameter of ``root``, as FSDP's cast reads it.
+
+    Returns ``{canonical name: (global flat index of the shard's first element, flat fp32 view)}``; parameters
+    with no elements on this rank are left out. Stateful modes (error feedback, EMA) keep their per-element
+    state for exactly these shards, so an export assembles the served copy from them (see ``caster.cast``).
+    """
+    return {name: (offset, shard) for name, offset, shard, _ in _registered(root)}
+
+
+def shard_layout(root: nn.Module) -> Dict[str, list]:
+    """``{canonical name: [global offset, numel, full shape]}`` of this rank's registered shards: the layout a per-rank
+    Fair Cast state file records (``export.merge_rank_states`` puts the ranks' states back together with it)."""
+    return {name: [offset, shard.numel(), list(shape)] for name, offset, shard, shape in _registered(root)}
 
 
 @torch.no_grad()
@@ -354,6 +365,7 @@ __all__ = [
     "register_fsdp_module",
     "registered_shards",
     "remove_fsdp_cast_patches",
+    "shard_layout",
     "shard_offset",
     "unregister_fsdp_module",
 ]

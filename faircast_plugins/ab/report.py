@@ -5,7 +5,7 @@ import glob
 import json
 import math
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..lag_cost import WINDOW, LagCost
 from . import stats

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..config import FairCastConfig
+from ..config import FairCastConfig, parse_bool
 
 #: Strategies whose bf16 compute copy Fair Cast can make follow the contract (see docs/verl.md for Megatron).
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
@@ -20,21 +20,41 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: Options of the ``faircast`` mapping that only the verl adapter reads (the rest is :class:`FairCastConfig`).
+#: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
+VERL_OPTIONS = ("allow_merged_lora",)
+
+
+def _value(worker_config: Any) -> Any:
+    getter = getattr(worker_config, "get", None)
+    return _plain(getter("faircast", None)) if getter is not None else None
+
+
 def read_faircast(worker_config: Any) -> Optional[FairCastConfig]:
     """The Fair Cast config of an ``actor_rollout_ref`` node, or None when the key is absent.
 
     Accepts ``faircast: true|false`` or a mapping with ``enable``, ``mode``, ``seed``, ``ema_decay``, ``audit``
-    (and ``audit_sample``, ``backend``). Raises ValueError naming the bad value otherwise.
+    (and ``audit_sample``, ``backend``, and the verl options :data:`VERL_OPTIONS`). Raises ValueError naming the
+    bad value otherwise.
     """
-    getter = getattr(worker_config, "get", None)
-    value = getter("faircast", None) if getter is not None else None
+    value = _value(worker_config)
     if value is None:
         return None
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if k not in VERL_OPTIONS}
     try:
-        config = FairCastConfig.from_value(_plain(value))
+        config = FairCastConfig.from_value(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"actor_rollout_ref.faircast: {exc}") from None
     return config
+
+
+def verl_option(worker_config: Any, name: str) -> bool:
+    """A boolean verl-only option of the ``faircast`` mapping (false when absent or ``faircast`` is not a mapping)."""
+    value = _value(worker_config)
+    if not isinstance(value, dict) or name not in value:
+        return False
+    return parse_bool(value[name], f"actor_rollout_ref.faircast.{name}")
 
 
 def check_supported(config: FairCastConfig, worker_config: Any) -> None:
@@ -48,17 +68,33 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"than verl; that copy is not patched (see docs/verl.md)."
         )
     lora = worker_config.model.get("lora_rank", 0) or 0
-    if lora and config.keeps_state and (worker_config.model.get("lora", {}) or {}).get("merge", False):
+    merged = bool(lora and (worker_config.model.get("lora", {}) or {}).get("merge", False))
+    if merged and config.keeps_state:
         raise ValueError(
             "actor_rollout_ref.faircast with model.lora.merge=true supports mode=stochastic or sticky (or nearest) "
             "without ema_decay: the merged weight W + s*B@A is not a parameter FSDP holds, so there is no per-shard "
             "error-feedback residual or EMA for it. Use mode=stochastic or sticky, or unmerged LoRA."
+        )
+    if merged and config.enabled and not verl_option(worker_config, "allow_merged_lora"):
+        raise ValueError(
+            "actor_rollout_ref.faircast with model.lora.merge=true: the rollout would serve fair_cast(W + s*B@A), but "
+            "the actor computes its log-probs and loss with round-to-nearest of the frozen base plus the adapters, "
+            "not with that served weight (docs/verl.md, Limits). Use unmerged LoRA (model.lora.merge=false), where "
+            "both sides use the same bits, or accept the gap explicitly with "
+            "actor_rollout_ref.faircast.allow_merged_lora=true."
         )
     if lora and strategy != "fsdp2":
         raise ValueError(
             f"actor_rollout_ref.faircast with LoRA is supported with actor.strategy=fsdp2 only (got {strategy!r}): "
             f"with FSDP1, verl 0.9.1's adapter export came out empty in our checks, so the served adapters could "
             f"not be verified."
+        )
+    quantization = worker_config.rollout.get("quantization", None)
+    if quantization:
+        raise ValueError(
+            f"actor_rollout_ref.faircast is set but rollout.quantization={quantization!r}: the rollout engine would "
+            f"re-quantize the bf16 copy Fair Cast serves, so it would not serve that copy (and the actor's loss would "
+            f"not run on what was served). Remove rollout.quantization (serve bf16), or turn Fair Cast off."
         )
     rollout_dtype = str(worker_config.rollout.get("dtype", "bfloat16"))
     if rollout_dtype not in ("bfloat16", "bf16"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
@@ -12,7 +13,8 @@ from ..audit import reduce_metrics
 from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
-from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards
+from ..export import save_state
+from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout
 from ..key import canonical_name
 
 logger = logging.getLogger("faircast_plugins")
@@ -30,6 +32,10 @@ class EngineFairCast:
     module: Any = None  # the engine's FSDP module (its registered shards hold the per-element state)
     canonical: Set[str] = field(default_factory=set)
     peft: bool = False  # LoRA (unmerged): base weights and adapters are exported separately
+    # decoupled PPO (verl's DetachActorWorker): the caster state kept with each set of masters verl sets aside
+    snapshots: Dict[Any, dict] = field(default_factory=dict)
+    newest: int = 0  # the newest weight version this engine reached (the audit follows that one only)
+    audit: Any = None  # the caster's audit, detached while an older version's masters are restored
 
     @property
     def stateful(self) -> bool:
@@ -75,7 +81,7 @@ def activate(engine, config: FairCastConfig) -> EngineFairCast:
     registered = register_fsdp_module(engine.module, caster)
     peft = hasattr(_hf_model(engine.module), "peft_config")
     state = EngineFairCast(caster, _export_names(engine.module, registered), engine.module, set(registered.values()),
-                           peft)
+                           peft, audit=caster.audit)
     setattr(engine, ATTR, state)
     return state
 
@@ -129,6 +135,15 @@ def served_full(state: EngineFairCast, name: str, shape, device, shards=None) ->
     """The full served bf16 copy of registered parameter ``name`` (collective; see :func:`fsdp.assemble_served`)."""
     shards = registered_shards(state.module) if shards is None else shards
     return assemble_served(state.caster, name, shards.get(name), shape, device)
+
+
+def step_taken(grad_norm) -> bool:
+    """Whether ``FSDPEngine.optimizer_step`` stepped: verl skips the update (and returns the norm) when the
+    gradient norm is not finite, and the weight version counts steps taken (ROUNDING.md)."""
+    try:
+        return math.isfinite(float(grad_norm))
+    except (TypeError, ValueError):
+        return True  # not a norm: nothing says the step was skipped
 
 
 def advance(state: EngineFairCast) -> None:
@@ -223,25 +238,66 @@ def _lora_target_weights(peft_model) -> Set[str]:
             if isinstance(m, LoraLayer) and len(m.lora_A) and hasattr(m, "base_layer")}
 
 
+# -- decoupled PPO: the masters verl sets aside --------------------------------------------------------------
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """A copy on the CPU (``.cpu()`` alone would alias CPU tensors, which later casts update in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    return obj
+
+
+def snapshot(state: EngineFairCast, key) -> None:
+    """With verl's ``save_model_to_cpu(key)``: keep the caster's state (version, error-feedback residuals and
+    cached copy, EMA) with the fp32 masters verl copies to the CPU, so restoring them restores the copy they served."""
+    state.newest = max(state.newest, state.caster.version)
+    state.snapshots[key] = _cpu_copy(state.caster.state_dict())
+
+
+def restore(state: EngineFairCast, key) -> None:
+    """With verl's ``restore_model_from_cpu(key)``: the caster goes back to the state kept with those masters, so
+    FSDP computes (old log-probs) with the bits served at their version. The audit follows the newest version
+    only: it is detached while older masters are restored. State tensors move back to the masters' device at
+    their first cast."""
+    saved = state.snapshots.get(key)
+    if saved is None:
+        return  # verl restores nothing either
+    state.newest = max(state.newest, state.caster.version)
+    state.caster.load_state_dict(saved)
+    state.caster.audit = state.audit if state.caster.version >= state.newest else None
+
+
+def drop_snapshot(state: EngineFairCast, key) -> None:
+    """With verl's ``clear_cpu_model(key)``."""
+    state.snapshots.pop(key, None)
+
+
 # -- checkpoint ----------------------------------------------------------------------------------------------
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+def _world() -> Tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def save(state: EngineFairCast, local_path: str) -> str:
-    """Write this rank's Fair Cast state (config with seed, version) next to verl's actor checkpoint."""
-    path = os.path.join(local_path, CHECKPOINT_FILE.format(rank=_rank()))
-    os.makedirs(local_path, exist_ok=True)
-    sd = state.caster.state_dict()
-    torch.save(sd, path)
-    return path
+    """Write this rank's Fair Cast state (config with seed, version, its shards' residuals / EMA on the CPU) next to
+    verl's actor checkpoint, with the shard layout (``export.save_state``): resume checks it, and ``faircast export
+    --state 'faircast_state_rank_*.pt'`` merges the ranks' files."""
+    rank, world = _world()
+    sharding = {"rank": rank, "world_size": world, "shards": shard_layout(state.module)}
+    return str(save_state(state.caster, local_path, filename=CHECKPOINT_FILE.format(rank=rank),
+                          extra={"fsdp": sharding}))
 
 
 def load(state: EngineFairCast, local_path: str) -> bool:
     """Restore the Fair Cast state saved by :func:`save`; False (with a loud warning) when the checkpoint has none."""
-    path = os.path.join(local_path, CHECKPOINT_FILE.format(rank=_rank()))
+    rank, world = _world()
+    path = os.path.join(local_path, CHECKPOINT_FILE.format(rank=rank))
     if not os.path.exists(path):
         logger.warning(
             "Fair Cast: the checkpoint at %s has no Fair Cast state (%s); the weight version restarts at %d. "
@@ -249,7 +305,15 @@ def load(state: EngineFairCast, local_path: str) -> bool:
             local_path, os.path.basename(path), state.caster.version,
         )
         return False
-    state.caster.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved_world = (saved.get("fsdp") or {}).get("world_size", world)
+    if state.stateful and saved_world != world:
+        raise ValueError(
+            f"Fair Cast: {path} holds this rank's error-feedback residuals / EMA for a world size of {saved_world}, "
+            f"this run has {world}: that state is per FSDP shard. Resume at world size {saved_world}, or use "
+            f"mode=stochastic without ema_decay."
+        )
+    state.caster.load_state_dict(saved)  # tensors stay on the CPU until their first cast moves them to the masters
     logger.warning("Fair Cast: resumed at weight version %d from %s", state.caster.version, path)
     return True
 
@@ -260,16 +324,3 @@ def load(state: EngineFairCast, local_path: str) -> bool:
 def metrics(state: EngineFairCast, device=None) -> Dict[str, float]:
     """``faircast/*`` metrics since the last call, summed over every rank (collective when distributed)."""
     return reduce_metrics(state.caster, device=device)
-    totals = audit.totals()
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        keys = sorted(totals)
-        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t)
-        totals = dict(zip(keys, t.cpu().tolist()))
-    out.update(finalize(totals))
-    c = state.cumulative  # the core's bias_rel_cumulative, over every rank's shards
-    c["dev_along"] += totals.get("dev_along", 0.0)
-    c["abs_update"] += totals.get("abs_update", 0.0)
-    if c["abs_update"]:
-        out["faircast/bias_rel_cumulative"] = abs(c["dev_along"]) / c["abs_update"]
-    return out

@@ -7,7 +7,7 @@ import functools
 import logging
 from typing import Optional
 
-from ..patching import PatchSet
+from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
 from .config import check_supported, read_faircast
 
@@ -19,11 +19,69 @@ VERL_SPECIFIER = ">=0.9.1,<0.10"
 _WORKER = "verl.workers.engine_workers:ActorRolloutRefWorker"
 _IMPL = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE = f"{_IMPL}:FSDPEngine"
+_DETACH = "verl.experimental.separation.engine_workers:DetachActorWorker"
 
 # The engine whose get_per_tensor_param is running ({"state": EngineFairCast, "cast": bool}): its export stream
 # passes through unfuse_moe_params, where the full fp32 tensors still carry the trainer's names (before MoE
 # experts are split). LoRA adapter exports skip that function; get_per_tensor_param casts them itself.
 _EXPORTING: contextvars.ContextVar = contextvars.ContextVar("faircast_exporting", default=None)
+
+
+#: What the patched ``init_model`` returns to the driver (verl's own returns None): proof that this worker loaded
+#: Fair Cast, whether its config asked for it and whether it activated it.
+STATUS_KEY = "faircast_status"
+
+
+def _status(worker, requested: bool, active: bool) -> dict:
+    return {STATUS_KEY: {"requested": requested, "active": active, "role": str(worker.role)}}
+
+
+def _requested_by_group(worker_group) -> bool:
+    """Whether the worker group's own init arguments set ``actor_rollout_ref.faircast`` (a plain worker group keeps
+    them; a colocated one does not, and then only the workers' answers tell)."""
+    init = getattr(worker_group, "ray_cls_with_init", None)
+    config = (getattr(init, "kwargs", None) or {}).get("config")
+    try:
+        fc = read_faircast(config) if config is not None else None
+    except ValueError:
+        return True
+    return fc is not None and fc.active
+
+
+def check_workers_activated(worker_group, outputs):
+    """The driver side of ``init_model`` (verl's collect step): every worker of a group whose config sets
+    ``actor_rollout_ref.faircast`` must have loaded the Fair Cast plugin. verl imports plugins in every process but
+    logs a failed import at DEBUG, and ``VERL_USE_EXTERNAL_PLUGINS`` can exclude it: such a worker would train and
+    serve round-to-nearest silently, while the others cast."""
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    statuses = [o.get(STATUS_KEY) if isinstance(o, dict) else None for o in outputs]
+    requested = any(s is not None and s["requested"] for s in statuses) or _requested_by_group(worker_group)
+    missing = [i for i, s in enumerate(statuses) if s is None]
+    if requested and missing:
+        raise FairCastPatchError(
+            f"actor_rollout_ref.faircast is set, but {len(missing)} of {len(outputs)} worker(s) (worker index "
+            f"{missing[:8]}) did not load Fair Cast: they run verl's round-to-nearest export and FSDP cast. verl loads "
+            f"the faircast_plugins 'verl.plugins' entry point in every process unless VERL_USE_EXTERNAL_PLUGINS "
+            f"excludes it, and logs a failed import only at DEBUG: install faircast-plugins on every node (the same "
+            f"version), set VERL_USE_EXTERNAL_PLUGINS=auto (or include 'faircast'), and check that "
+            f"'import faircast_plugins.verl.plugin' works in the workers' environment."
+        )
+    return outputs
+
+
+def _driver_checked(init_model):
+    """Give the patched ``init_model`` verl's ONE_TO_ALL dispatch with :func:`check_workers_activated` as its collect
+    step (the driver binds worker-group methods from its own, patched, class)."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, get_predefined_dispatch_fn
+
+    attrs = getattr(init_model, MAGIC_ATTR, None)
+    if not isinstance(attrs, dict) or attrs.get("dispatch_mode") != Dispatch.ONE_TO_ALL:
+        raise FairCastPatchError(f"ActorRolloutRefWorker.init_model is not registered with Dispatch.ONE_TO_ALL "
+                                 f"({attrs!r}): the driver-side activation check cannot be attached")
+    dispatch = get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)["dispatch_fn"]
+    setattr(init_model, MAGIC_ATTR, {**attrs, "dispatch_mode": {"dispatch_fn": dispatch,
+                                                                "collect_fn": check_workers_activated}})
+    return init_model
 
 
 def _wrap_init_model(original):
@@ -34,13 +92,14 @@ def _wrap_init_model(original):
         if wants:
             check_supported(config, self.config)  # fail before the (slow) model build
         result = original(self, *args, **kwargs)
+        requested = config is not None and config.active
         if not wants:
-            if config is not None and config.active:
+            if requested:
                 logger.info("Fair Cast: role %r has no actor; nothing to cast in this worker", self.role)
             else:
                 logger.warning("Fair Cast is OFF for this verl worker (role=%s): actor_rollout_ref.faircast is not "
                                "set; the rollout serves the round-to-nearest copy", self.role)
-            return result
+            return _status(self, requested, False) if result is None else result
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
         engine = self.actor.engine
@@ -52,9 +111,9 @@ def _wrap_init_model(original):
             "and in the export to the rollout; reference/critic models untouched",
             self.role, self.config.actor.strategy, config.describe(), len(state.canonical),
         )
-        return result
+        return _status(self, True, True) if result is None else result
 
-    return init_model
+    return _driver_checked(init_model)
 
 
 def _wrap_update_actor(original):
@@ -96,8 +155,35 @@ def _then(action):
     return factory
 
 
-def _advance(state, *args, **kwargs):
-    fc_engine.advance(state)  # the next FSDP cast and the next export use the new weight version
+def _after_optimizer_step(original):
+    @functools.wraps(original)
+    def optimizer_step(self, *args, **kwargs):
+        grad_norm = original(self, *args, **kwargs)
+        state = fc_engine.state_of(self)
+        if state is not None and fc_engine.step_taken(grad_norm):
+            fc_engine.advance(state)  # the next FSDP cast and the next export use the new weight version
+        return grad_norm
+
+    return optimizer_step
+
+
+def _on_actor_engine(action):
+    """A wrapper factory for ``DetachActorWorker`` methods (verl's decoupled PPO keeps fp32 masters aside, by key):
+    run the original, then ``action(state, key)`` with the actor engine's Fair Cast state."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def wrapper(self, n, *args, **kwargs):
+            result = original(self, n, *args, **kwargs)
+            actor = getattr(self, "actor", None)
+            state = fc_engine.state_of(actor.engine) if actor is not None else None
+            if state is not None:
+                action(state, n)
+            return result
+
+        return wrapper
+
+    return factory
 
 
 def _save(state, local_path, *args, **kwargs):
@@ -170,13 +256,17 @@ def build_patch_set() -> PatchSet:
     patches = PatchSet("verl", "verl", VERL_SPECIFIER)
     patches.wrap(f"{_WORKER}.init_model", _wrap_init_model)
     patches.wrap(f"{_WORKER}.update_actor", _wrap_update_actor)
-    patches.wrap(f"{_ENGINE}.optimizer_step", _then(_advance))
+    patches.wrap(f"{_ENGINE}.optimizer_step", _after_optimizer_step)
     patches.wrap(f"{_ENGINE}.get_per_tensor_param", _wrap_get_per_tensor_param)
     patches.wrap(f"{_IMPL}:unfuse_moe_params", _wrap_unfuse_moe_params)
     patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _wrap_get_per_tensor_param_shard)
     patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _wrap_merged_lora_per_tensor_param)
     patches.wrap(f"{_ENGINE}.save_checkpoint", _then(_save))
     patches.wrap(f"{_ENGINE}.load_checkpoint", _then(_load))
+    # decoupled PPO (fully-async and v1 separate-async trainers): old log-probs on restored old masters
+    patches.wrap(f"{_DETACH}.save_model_to_cpu", _on_actor_engine(fc_engine.snapshot))
+    patches.wrap(f"{_DETACH}.restore_model_from_cpu", _on_actor_engine(fc_engine.restore))
+    patches.wrap(f"{_DETACH}.clear_cpu_model", _on_actor_engine(fc_engine.drop_snapshot))
     return patches
 
 
@@ -195,7 +285,7 @@ def unpatch() -> None:
 
 def guard_unsupported(reason: str) -> None:
     """When :func:`patch` cannot apply: make ``init_model`` refuse configs that ask for Fair Cast, with ``reason``."""
-    from ..patching import FairCastPatchError, resolve
+    from ..patching import resolve
 
     try:
         owner, attr, original = resolve(f"{_WORKER}.init_model")

@@ -80,10 +80,12 @@ ON_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}"
 _RUNS: dict = {}
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]  # unmerged (verl's default)
 MERGE = [*LORA, "actor_rollout_ref.model.lora.merge=true"]
+ON_MERGE = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},allow_merged_lora:true}}"  # the explicit opt-in
 EF = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_feedback}}"
 EF_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_feedback,audit:true}}"
 EMA = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},ema_decay:0.5}}"
 STICKY = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:sticky}}"
+STICKY_MERGE = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:sticky,allow_merged_lora:true}}"
 EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {enable: true, seed: 1234}
 
 
@@ -103,14 +105,17 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                 cases.append(dict(name="fsdp2_audit_only", strategy="fsdp2",
                                   overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}"]))
                 cases.append(dict(name="fsdp2_lora", strategy="fsdp2", overrides=[ON, *LORA]))
-                cases += [dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON, *MERGE], merged_reference=True),
+                cases += [dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[ON_MERGE, *MERGE], merged_reference=True),
                           dict(name="fsdp2_lora_merge_off", strategy="fsdp2", overrides=MERGE, merged_reference=True),
                           dict(name="fsdp2_ef", strategy="fsdp2", overrides=[EF], delta=True),
-                          dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], delta=True)]
+                          dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], delta=True),
+                          dict(name="fsdp2_decoupled", strategy="fsdp2", overrides=[ON], decoupled=True),
+                          dict(name="fsdp2_nan_step", strategy="fsdp2", overrides=[ON], nan_first_step=True)]
             if world == 3:  # packed MoE experts (4 over 3 ranks: uneven shards of a 3-D parameter), unfused on export
                 cases.append(dict(name="fsdp2_moe", strategy="fsdp2", overrides=[ON], model_dir=moe_model_dir))
                 cases += [dict(name="fsdp2_ema", strategy="fsdp2", overrides=[EMA], delta=True),
-                          dict(name="fsdp_ef", strategy="fsdp", overrides=[EF], delta=True)]
+                          dict(name="fsdp_ef", strategy="fsdp", overrides=[EF], delta=True),
+                          dict(name="fsdp2_ema_decoupled", strategy="fsdp2", overrides=[EMA], decoupled=True)]
             if world == 2:
                 ckpt = str(out / "ckpt")
                 cases[0].update(overrides=[ON_AUDIT], save_checkpoint=ckpt, delta=True)
@@ -124,12 +129,13 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                           dict(name="fsdp_ema_resume", strategy="fsdp", overrides=[EMA], load_checkpoint=ckpt + "_ema"),
                           dict(name="fsdp2_sticky", strategy="fsdp2", overrides=[STICKY], delta=True),
                           # merged LoRA in sticky mode here (stochastic at world 1)
-                          dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[STICKY, *MERGE],
+                          dict(name="fsdp2_lora_merge", strategy="fsdp2", overrides=[STICKY_MERGE, *MERGE],
                                merged_reference=True),
                           dict(name="fsdp2_export_only", strategy="fsdp2", overrides=[ON], export_only=True),
                           dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True),
                           dict(name="fsdp2_tied", strategy="fsdp2", overrides=[ON], model_dir=tied_model_dir),
-                          dict(name="fsdp_tied", strategy="fsdp", overrides=[ON], model_dir=tied_model_dir)]
+                          dict(name="fsdp_tied", strategy="fsdp", overrides=[ON], model_dir=tied_model_dir),
+                          dict(name="fsdp_ef_decoupled", strategy="fsdp", overrides=[EF], decoupled=True)]
             _RUNS[world] = (out, run_ranks(out, model_dir=model_dir, world=world, cases=cases))
         return _RUNS[world]
 

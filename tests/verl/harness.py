@@ -154,8 +154,11 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     else:
         overrides = cpu_overrides(model_dir, case["strategy"], opts["batch"], world)
         cfg = compose(overrides + case.get("overrides", []))
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=case.get("role", "actor_rollout"))
-    worker.init_model()
+    worker_cls = ActorRolloutRefWorker
+    if case.get("decoupled"):  # the fully-async / v1 separate-async trainers' worker (masters kept aside by key)
+        from verl.experimental.separation.engine_workers import DetachActorWorker as worker_cls
+    worker = worker_cls(cfg.actor_rollout_ref, role=case.get("role", "actor_rollout"))
+    init_status = worker.init_model()
     engine = worker.actor.engine
     if case.get("export_only"):
         # Negative control for the trainer half: Fair Cast on for the export only; FSDP keeps its stock cast.
@@ -172,7 +175,7 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
         tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
         worker.compute_log_prob(td)
 
-    result = {"rank": torch.distributed.get_rank()}
+    result = {"rank": torch.distributed.get_rank(), "init_status": init_status}
     log_prob()
     result["forward_v0"] = recorder.take()
     result["masters_v0"] = full_masters(engine.module)
@@ -181,6 +184,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     step = engine.optimizer_step
 
     def optimizer_step(*args, **kwargs):
+        if case.get("nan_first_step") and not steps:  # a non-finite gradient norm: verl skips this step
+            next(p for p in engine.module.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
         out = step(*args, **kwargs)
         steps.append(full_masters(engine.module))
         return out
@@ -191,6 +196,15 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
         result["delta_seed"] = {k: v.clone() for k, v in seed}
         engine.prime_delta_snapshots()
 
+
+    if case.get("decoupled"):
+        # decoupled PPO as verl's fully-async trainer runs it (trigger_parameter_sync_step > 1, no bypass): the
+        # weights are synced (version 0 served), saved as pi_old (key 1), trained, and pi_old is restored for the
+        # old log-probs of the next step, then the current masters come back.
+        asyncio.run(worker.update_weights(mode="naive"))
+        result["exported_v0"] = {k: v for part in cpu_platform.RECEIVED for k, v in part.items()}
+        cpu_platform.RECEIVED.clear()
+        worker.save_model_to_cpu(1)
 
     if case.get("load_checkpoint"):
         worker.load_checkpoint(case["load_checkpoint"])
@@ -206,6 +220,13 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
         result["metrics"] = {k: v for k, v in metrics.items() if k.startswith("faircast/")}
         if case.get("save_checkpoint"):
             worker.save_checkpoint(case["save_checkpoint"], global_step=2)
+    if case.get("decoupled"):
+        worker.save_model_to_cpu(2)
+        worker.restore_model_from_cpu(1)
+        log_prob()
+        result["forward_old"] = recorder.take()
+        worker.restore_model_from_cpu(2)
+        worker.clear_cpu_model(2)
 
     cpu_platform.RECEIVED.clear()
     asyncio.run(worker.update_weights(mode="naive"))

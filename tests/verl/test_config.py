@@ -126,8 +126,10 @@ def test_unsupported_setups_are_refused(override, message):
 
 @pytest.mark.parametrize("extra", [
     ["actor_rollout_ref.model.lora_rank=8"],                                     # unmerged LoRA
-    ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"],  # merged LoRA
-    ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true", "+actor_rollout_ref.faircast.mode=sticky"],
+    ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true",   # merged LoRA (opt-in)
+     "+actor_rollout_ref.faircast.allow_merged_lora=true"],
+    ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true",
+     "+actor_rollout_ref.faircast.allow_merged_lora=true", "+actor_rollout_ref.faircast.mode=sticky"],
     ["actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded"],
     ["+actor_rollout_ref.faircast.mode=error_feedback"],
     ["+actor_rollout_ref.faircast.ema_decay=0.5"],
@@ -148,7 +150,10 @@ def test_stateful_modes_with_merged_lora_are_refused(mode_value):
     fc = read_faircast(OmegaConf.create({"faircast": mode_value}))
     with pytest.raises(ValueError, match="lora.merge=true supports mode=stochastic"):
         check_supported(fc, cfg.actor_rollout_ref)
-    check_supported(read_faircast(OmegaConf.create({"faircast": True})), cfg.actor_rollout_ref)  # control
+    opted = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["actor_rollout_ref.model.lora_rank=8",
+                                                            "actor_rollout_ref.model.lora.merge=true",
+                                                            "+actor_rollout_ref.faircast.allow_merged_lora=true"])
+    check_supported(read_faircast(opted.actor_rollout_ref), opted.actor_rollout_ref)  # control: stochastic, opted in
 
 
 # -- plugin activation ----------------------------------------------------------------------------------------
@@ -168,7 +173,7 @@ def test_plugin_patches_verl_on_import_and_logs_loudly():
     proc = _run(["-c", _PROBE])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PATCHED" in proc.stdout
-    assert "Fair Cast ACTIVE for verl 0.9.1: patched 9 symbol(s)" in proc.stderr
+    assert "Fair Cast ACTIVE for verl 0.9.1: patched 12 symbol(s)" in proc.stderr
 
 
 def test_plugin_disabled_by_verl_policy_patches_nothing():

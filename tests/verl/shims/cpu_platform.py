@@ -5,6 +5,8 @@
 3. ``load_fsdp_model_to_gpu`` / ``offload_fsdp_model_to_cpu`` as no-ops: on CPU there is nowhere to move to.
 4. FSDP1's ``sync_module_states`` CPU guard disabled: gloo broadcasts CPU tensors fine.
 5. A recording rollout (``name=faircast_record``) that keeps whatever ``update_weights`` sends it.
+6. ``fsdp2_sharded_save_to_cpu`` copies: on CPU its ``.cpu()`` would alias the live shards (decoupled PPO's
+   saved masters would then follow the optimizer).
 
 Call :func:`install` in each process before building a worker.
 """
@@ -141,6 +143,14 @@ def install() -> None:
         for name in ("load_fsdp_model_to_gpu", "offload_fsdp_model_to_cpu"):
             if hasattr(mod, name):
                 setattr(mod, name, noop)
+
+    save_to_cpu = fsdp_utils.fsdp2_sharded_save_to_cpu
+
+    def fsdp2_sharded_save_to_cpu(model):
+        state, spec = save_to_cpu(model)
+        return {name: (t.clone(), s) for name, (t, s) in state.items()}, spec
+
+    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
 
     import torch.distributed.fsdp._init_utils as init_utils
 

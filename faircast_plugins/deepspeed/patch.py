@@ -19,8 +19,13 @@ ZeRO-1/2 + CPU offload                      ``step``: into a staging buffer, the
 ZeRO-3 (+ offload)                          ``_reassign_or_swap_out_partitioned_parameters``
 ==========================================  ==========================================================
 
-Each step must cast at least one element, or it fails loudly (a DeepSpeed change, or a mode without an
-fp32 master); a step DeepSpeed skips on overflow leaves the weight version unchanged.
+After each step every rank checks that it cast exactly the weight elements its copy-back writes
+(:func:`~.layout.copy_back_elements`); the check is collective, so when one rank fails all of them raise
+(none is left waiting in DeepSpeed's next collective). The weight version counts steps taken: a step
+DeepSpeed skips on overflow casts nothing and leaves it unchanged. A universal-checkpoint load re-derives
+the bf16 weights with ``update_lp_params`` and a ZeRO-3 load with the step's own copy-back: the patch runs
+both under the interceptor at the restored version. Options whose weights bypass this copy-back (ZenFlow,
+NVMe parameter offload, weight quantization, AutoTP, MoE expert parallelism) are refused at activation.
 
 With ``ema_decay > 0`` the optimizer still updates the fp32 master; the copy-back then writes
 ``fair_cast(EMA of the master)``. The EMA is elementwise, so each rank keeps it for exactly the master
@@ -451,7 +456,7 @@ def _check_engine(engine, caster: FairCaster) -> None:
 def _refused_options(engine):
     """DeepSpeed options under which the copy-back Fair Cast intercepts is not what the forward reads or serves."""
     zero = engine._config.zero_config
-    if getattr(engine, "zenflow", False) or zero.zenflow is not None:
+    if getattr(engine, "zenflow", False) or getattr(zero, "zenflow", None) is not None:
         yield ("ZenFlow (zero_optimization.zenflow): it updates the masters and copies them back outside the optimizer "
                "step Fair Cast intercepts (ZeRO-3's ZenFlow even keeps the usual optimizer class). Remove the zenflow "
                "section; plain CPU offload (offload_optimizer) is supported")
@@ -460,7 +465,7 @@ def _refused_options(engine):
                "to NVMe are written from the masters by the swapper, round-to-nearest, outside Fair Cast. Use "
                "offload_param.device=cpu (or none)")
     weight_quantization = engine._config.compression_config["weight_quantization"]["shared_parameters"]
-    if engine.quantizer is not None or weight_quantization["enabled"]:
+    if getattr(engine, "quantizer", None) is not None or weight_quantization["enabled"]:
         yield ("DeepSpeed weight quantization (MoQ, compression_training.weight_quantization): it re-quantizes the bf16 "
                "weights after the copy-back, so the forward and the rollout engine would not get the Fair Cast copy. "
                "Disable compression_training.weight_quantization")

@@ -138,3 +138,23 @@ def _offload_aliases(engine) -> List[Alias]:
         target = opt.parallel_partitioned_bit16_groups[i][pid]
         aliases.append(Alias(buf.data_ptr(), buf.numel(), target.data_ptr()))
     return aliases
+
+
+def copy_back_elements(engine, layout: WeightLayout) -> int:
+    """How many parameter elements this rank's copy-back must write: the count Fair Cast must have cast.
+
+    ZeRO-0 copies every full parameter on every rank and ZeRO-3 this rank's partition of each (the spans of
+    ``layout``); ZeRO-1/2 and BF16_Optimizer copy this rank's partition of each flat parameter group.
+    """
+    stage = engine.zero_optimization_stage()
+    if stage in (0, 3):
+        return sum(s.numel for s in layout.spans)
+    import deepspeed.comm as dist
+
+    opt = engine.optimizer
+    groups = opt.bf16_partitioned_groups if hasattr(opt, "bf16_partitioned_groups") else opt.parallel_partitioned_bit16_groups
+    total = 0
+    for i, partitions in enumerate(groups):
+        partition = partitions[dist.get_rank(group=opt.real_dp_process_group[i])]
+        total += sum(seg.length for seg in layout.segments(partition))
+    return total

@@ -19,8 +19,13 @@ ZeRO-1/2 + CPU offload                      ``step``: into a staging buffer, the
 ZeRO-3 (+ offload)                          ``_reassign_or_swap_out_partitioned_parameters``
 ==========================================  ==========================================================
 
-Each step must cast at least one element, or it fails loudly (a DeepSpeed change, or a mode without an
-fp32 master); a step DeepSpeed skips on overflow leaves the weight version unchanged.
+After each step every rank checks that it cast exactly the weight elements its copy-back writes
+(:func:`~.layout.copy_back_elements`); the check is collective, so when one rank fails all of them raise
+(none is left waiting in DeepSpeed's next collective). The weight version counts steps taken: a step
+DeepSpeed skips on overflow casts nothing and leaves it unchanged. A universal-checkpoint load re-derives
+the bf16 weights with ``update_lp_params`` and a ZeRO-3 load with the step's own copy-back: the patch runs
+both under the interceptor at the restored version. Options whose weights bypass this copy-back (ZenFlow,
+NVMe parameter offload, weight quantization, AutoTP, MoE expert parallelism) are refused at activation.
 
 With ``ema_decay > 0`` the optimizer still updates the fp32 master; the copy-back then writes
 ``fair_cast(EMA of the master)``. The EMA is elementwise, so each rank keeps it for exactly the master
@@ -42,7 +47,7 @@ from ..caster import FairCaster
 from ..export import save_state
 from ..key import canonical_name
 from ..patching import FairCastPatchError, PatchSet, temporarily
-from .layout import WeightLayout
+from .layout import WeightLayout, copy_back_elements
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -71,6 +76,9 @@ class _CopyBackInterceptor:
         self.ema_may_start = ema_may_start
         self.copies_seen = 0
         self.elements_cast = 0
+        # A layout problem is not raised inside DeepSpeed's step (the other ranks would hang in its next
+        # collective): the copy stays DeepSpeed's own, and the step's collective check fails on every rank.
+        self.problem: Optional[str] = None
         self._busy = False
 
     def copy_(self, dst: torch.Tensor, src, non_blocking: bool = False):
@@ -84,7 +92,7 @@ class _CopyBackInterceptor:
         self.copies_seen += 1
         if not dst.is_contiguous():
             if self.layout.touches(dst):
-                raise FairCastPatchError(
+                self.problem = self.problem or (
                     f"DeepSpeed copied fp32 into a non-contiguous view {tuple(dst.shape)} of the bf16 weights; Fair Cast "
                     f"does not know which parameter elements it covers and refuses to leave them round-to-nearest"
                 )
@@ -93,10 +101,11 @@ class _CopyBackInterceptor:
         if not segments:
             return _ORIGINAL_COPY(dst, src, non_blocking)
         if not src.is_contiguous() or src.numel() != dst.numel():
-            raise FairCastPatchError(
+            self.problem = self.problem or (
                 f"DeepSpeed copied an fp32 tensor {tuple(src.shape)} into bf16 weights {tuple(dst.shape)} in a layout "
                 f"Fair Cast does not know; refusing to guess which master element lands where"
             )
+            return _ORIGINAL_COPY(dst, src, non_blocking)
         flat_dst, flat_src = dst.view(-1), src.view(-1)
         self._busy = True
         try:
@@ -148,8 +157,8 @@ class DeepSpeedFairCast:
         return temporarily(torch.Tensor, "copy_", copy_)
 
     def take_model_step(self, original, *args, **kwargs):
-        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster,
-                                           ema_may_start=self.ema_may_start)
+        layout = WeightLayout.of_engine(self.engine, self.named_params)
+        interceptor = _CopyBackInterceptor(layout, self.caster, ema_may_start=self.ema_may_start)
         # The copy-back writes the weights after this step: the next version. (With ema_decay the interceptor
         # updates the EMA partition by partition, from the masters as the copy-back reads them.)
         self.caster.advance(masters=())
@@ -159,39 +168,58 @@ class DeepSpeedFairCast:
         except BaseException:
             self.caster.rollback()
             raise
-        if interceptor.elements_cast == 0:
-            self.caster.rollback()  # nothing was cast at the new version
-            if getattr(self.engine.optimizer, "overflow", False):
-                return result  # DeepSpeed skipped this step: the weights did not change
-            raise FairCastPatchError(
-                f"Fair Cast saw {interceptor.copies_seen} fp32->bf16 copies but none into the model's weights during "
-                f"a DeepSpeed {_installed()} optimizer step ({type(self.engine.optimizer).__name__}); the served bf16 "
-                f"copy would silently stay round-to-nearest. This DeepSpeed version or configuration is not supported."
-            )
-        self.last_step_elements = interceptor.elements_cast
-        self.ema_may_start = False
+        # The version counts optimizer steps taken (ROUNDING.md): a step DeepSpeed skips (bf16/fp16 overflow:
+        # ZeRO-1/2 and ZeRO-0 with loss scaling) copies nothing back and leaves the weights and the version as they were.
+        skipped = interceptor.elements_cast == 0 and getattr(self.engine.optimizer, "overflow", False)
+        problem = None if skipped else _copy_back_problem(self.engine, layout, interceptor, "an optimizer step")
+        problem = _on_any_rank(problem)
+        if skipped or problem:
+            self.caster.rollback()
+        if problem:
+            raise FairCastPatchError(problem)
+        if not skipped:
+            self.last_step_elements = interceptor.elements_cast
+            self.ema_may_start = False
         return result
 
     def recast_after_load(self) -> None:
-        """Re-derive ZeRO-3's bf16 partitions from the loaded masters at the current version.
+        """Re-derive the bf16 weights from the loaded masters at the current version, where a load rounded them.
 
-        ZeRO-3 rebuilds its bf16 weights from the fp32 masters with round-to-nearest when it loads a
-        checkpoint; ZeRO-0/1/2 and BF16_Optimizer restore the saved (Fair Cast) bf16 bits themselves.
+        ZeRO-3 rebuilds its bf16 partitions from the fp32 masters with round-to-nearest when it loads a
+        checkpoint, and so does a universal-checkpoint load under ZeRO-1/2 and BF16_Optimizer
+        (``update_lp_params``). A plain ZeRO-0/1/2 or BF16_Optimizer load restores the saved (Fair Cast) bf16 bits.
         """
-        if self.engine.zero_optimization_stage() != 3:
-            return
         opt = self.engine.optimizer
-        if not hasattr(opt, "_reassign_or_swap_out_partitioned_parameters"):
-            raise FairCastPatchError(
-                f"DeepSpeed {_installed()} ZeRO-3 has no _reassign_or_swap_out_partitioned_parameters; Fair Cast cannot "
-                f"restore the served copy after a checkpoint load"
-            )
-        interceptor = _CopyBackInterceptor(WeightLayout.of_engine(self.engine, self.named_params), self.caster,
-                                           step_ema=False)
+        if self.engine.zero_optimization_stage() == 3:
+            if not hasattr(opt, "_reassign_or_swap_out_partitioned_parameters"):
+                raise FairCastPatchError(
+                    f"DeepSpeed {_installed()} ZeRO-3 has no _reassign_or_swap_out_partitioned_parameters; Fair Cast "
+                    f"cannot restore the served copy after a checkpoint load"
+                )
+
+            def copy_back():
+                for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
+                    opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+
+            self._recast("a ZeRO-3 checkpoint load", copy_back)
+            _regather_persistent(opt.persistent_parameters)
+        elif self.engine.load_universal_checkpoint():
+            if not hasattr(opt, "update_lp_params"):
+                raise FairCastPatchError(
+                    f"Fair Cast cannot restore the served copy after a universal-checkpoint load with DeepSpeed "
+                    f"{_installed()} {type(opt).__name__} (no update_lp_params); load a regular checkpoint instead"
+                )
+            self._recast("a universal-checkpoint load", opt.update_lp_params)
+
+    def _recast(self, what: str, copy_back) -> None:
+        """Run DeepSpeed's own fp32 -> bf16 copy-back ``copy_back()`` under the interceptor, at the current version."""
+        layout = WeightLayout.of_engine(self.engine, self.named_params)
+        interceptor = _CopyBackInterceptor(layout, self.caster, step_ema=False)
         with torch.no_grad(), self._intercepting(interceptor):
-            for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
-                opt._reassign_or_swap_out_partitioned_parameters(sub_group)
-        _regather_persistent(opt.persistent_parameters)
+            copy_back()
+        problem = _on_any_rank(_copy_back_problem(self.engine, layout, interceptor, what))
+        if problem:
+            raise FairCastPatchError(problem)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_path(self, tag_dir: str) -> str:
@@ -259,6 +287,42 @@ def _regather_persistent(params) -> None:
         dist.all_gather(parts, p.ds_tensor.data, group=p.ds_process_group)
         full = torch.cat([t.to(p.data.device) for t in parts])[: p.ds_numel]
         p.data.copy_(full.view_as(p.data))
+
+
+def _copy_back_problem(engine, layout: WeightLayout, interceptor: _CopyBackInterceptor, what: str) -> Optional[str]:
+    """Why this rank's copy-back did not cast exactly the elements it owns (None when it did)."""
+    if interceptor.problem:
+        return interceptor.problem
+    expected = copy_back_elements(engine, layout)
+    if interceptor.elements_cast == expected > 0:
+        return None
+    where = (f"during {what} with DeepSpeed {_installed()} ({type(engine.optimizer).__name__}, "
+             f"ZeRO-{engine.zero_optimization_stage()})")
+    if interceptor.elements_cast == 0:
+        return (f"Fair Cast saw {interceptor.copies_seen} fp32->bf16 copies but none into the model's weights {where}; "
+                f"the served bf16 copy would silently stay round-to-nearest. This DeepSpeed version or configuration is "
+                f"not supported.")
+    return (f"Fair Cast cast {interceptor.elements_cast} weight elements {where}, but this rank owns {expected}: part of "
+            f"the served bf16 copy was written outside Fair Cast (round-to-nearest) or twice. This DeepSpeed "
+            f"configuration is not supported.")
+
+
+def _on_any_rank(problem: Optional[str]) -> Optional[str]:
+    """A collective: every rank learns whether any rank found a problem, so all of them raise (none waits forever
+    in DeepSpeed's next collective). Returns this rank's problem, or one naming the ranks that failed."""
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    from deepspeed.accelerator import get_accelerator
+
+    failed = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=get_accelerator().current_device_name())
+    failed[dist.get_rank()] = int(problem is not None)
+    dist.all_reduce(failed)
+    ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+    if problem is None and ranks:
+        problem = f"Fair Cast failed on rank(s) {ranks} (see their error); every rank stops here"
+    return problem
 
 
 def _installed() -> str:
@@ -385,6 +449,56 @@ def _check_engine(engine, caster: FairCaster) -> None:
             f"engine uses {type(opt).__module__}.{type(opt).__name__} (ZenFlow, SuperOffload, DeepCompile and the like "
             f"copy the masters elsewhere and are refused)"
         )
+    for refusal in _refused_options(engine):
+        raise FairCastPatchError(f"Fair Cast's DeepSpeed patch does not support {refusal}")
+
+
+def _refused_options(engine):
+    """DeepSpeed options under which the copy-back Fair Cast intercepts is not what the forward reads or serves."""
+    zero = engine._config.zero_config
+    if getattr(engine, "zenflow", False) or getattr(zero, "zenflow", None) is not None:
+        yield ("ZenFlow (zero_optimization.zenflow): it updates the masters and copies them back outside the optimizer "
+               "step Fair Cast intercepts (ZeRO-3's ZenFlow even keeps the usual optimizer class). Remove the zenflow "
+               "section; plain CPU offload (offload_optimizer) is supported")
+    if zero.offload_param is not None and zero.offload_param.device == "nvme":
+        yield ("ZeRO-3 parameter offload to NVMe (zero_optimization.offload_param.device=nvme): sub-groups swapped out "
+               "to NVMe are written from the masters by the swapper, round-to-nearest, outside Fair Cast. Use "
+               "offload_param.device=cpu (or none)")
+    weight_quantization = engine._config.compression_config["weight_quantization"]["shared_parameters"]
+    if getattr(engine, "quantizer", None) is not None or weight_quantization["enabled"]:
+        yield ("DeepSpeed weight quantization (MoQ, compression_training.weight_quantization): it re-quantizes the bf16 "
+               "weights after the copy-back, so the forward and the rollout engine would not get the Fair Cast copy. "
+               "Disable compression_training.weight_quantization")
+    tp = engine.autotp_size() or 1
+    tp_layers = sorted({type(m).__name__ for m in engine.module.modules() if _is_tensor_parallel_layer(m)})
+    if tp > 1 or tp_layers:
+        yield (f"DeepSpeed AutoTP (tensor_parallel.autotp_size={tp}{', layers ' + ', '.join(tp_layers) if tp_layers else ''}"
+               f"; OpenRLHF --ds.tensor_parallel_size, deepspeed.tp_model_init): each rank holds a slice of a weight "
+               f"(some fused, split per sub-parameter), which Fair Cast would key as the full tensor at offset 0. Shard "
+               f"with ZeRO-3 instead (--ds.zero_stage 3, tensor_parallel_size 1)")
+    autoep = engine._config.expert_parallel_config
+    ep = max([autoep.autoep_size if autoep is not None and autoep.enabled else 1] + _expert_parallel_sizes(engine.module))
+    if ep > 1:
+        yield (f"DeepSpeed-MoE expert parallelism (ep_size={ep}, MoE(ep_size=...) or expert_parallel.autoep_size): "
+               f"experts on different ranks share local parameter names (deepspeed_experts.0 is another expert on each "
+               f"rank), so their casts would share noise keys, and a rollout engine would not get them all. Use ep_size=1")
+
+
+def _is_tensor_parallel_layer(module) -> bool:
+    from deepspeed.module_inject import layers
+
+    return isinstance(module, (layers.TensorParallel_Layer, layers.TensorParallelConv2d))
+
+
+def _expert_parallel_sizes(module) -> list:
+    """The ep_size of every DeepSpeed-MoE layer (native ``deepspeed.moe.layer.MoE`` and AutoEP layers) in ``module``."""
+    from deepspeed.moe.layer import MoE
+
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:  # AutoEP is newer than some 0.19 releases
+        AutoEPMoELayer = MoE
+    return [int(getattr(m, "ep_size", 1)) for m in module.modules() if isinstance(m, (MoE, AutoEPMoELayer))]
 
 
 def _named_trainable(engine, module: torch.nn.Module):

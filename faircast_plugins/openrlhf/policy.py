@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
+from typing import Optional
 
 from ..caster import FairCaster
 from ..config import FairCastConfig
@@ -34,14 +35,40 @@ def config_from_args(args) -> FairCastConfig:
     return FairCastConfig.from_value({k: v for k, v in values.items() if v is not None})
 
 
-LORA_REFUSED = "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported: the trained adapters are not the served weights"
+# (dotted OpenRLHF option, its default, why Fair Cast refuses any other value)
+REFUSED_OPTIONS = (
+    ("ds.lora.rank", 0,
+     "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported: the trained adapters are not the served weights"),
+    ("ds.tensor_parallel_size", 1,
+     "Fair Cast with DeepSpeed AutoTP (--ds.tensor_parallel_size > 1) is not supported: each rank trains a slice of "
+     "a weight, which the DeepSpeed copy-back patch cannot key by its place in the full weight; shard the policy "
+     "with --ds.zero_stage 3 instead"),
+)
+
+
+def refused_option(get) -> Optional[str]:
+    """Why Fair Cast refuses this run's OpenRLHF options (None if it does not); ``get(dotted, default)`` reads one."""
+    for dotted, default, message in REFUSED_OPTIONS:
+        value = get(dotted, default)
+        if value is not None and value != default:
+            return message
+    return None
+
+
+def _option(args, dotted: str, default):
+    for part in dotted.split("."):
+        args = getattr(args, part, None)
+        if args is None:
+            return default
+    return args
 
 
 def check_supported(args) -> FairCastConfig:
     """The run's Fair Cast config; raises for OpenRLHF options Fair Cast refuses."""
     config = config_from_args(args)
-    if config.active and getattr(getattr(getattr(args, "ds", None), "lora", None), "rank", 0):
-        raise FairCastPatchError(LORA_REFUSED)
+    refusal = refused_option(lambda dotted, default: _option(args, dotted, default)) if config.active else None
+    if refusal:
+        raise FairCastPatchError(refusal)
     return config
 
 

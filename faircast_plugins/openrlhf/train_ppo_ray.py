@@ -22,7 +22,7 @@ from typing import List, Optional
 
 from ..config import FairCastConfig
 from ..patching import PatchSet
-from .policy import LORA_REFUSED, OPENRLHF_SPECIFIER, patch_policy_actor
+from .policy import OPENRLHF_SPECIFIER, patch_policy_actor, refused_option
 
 TARGET_MODULE = "openrlhf.cli.train_ppo_ray"
 
@@ -71,8 +71,9 @@ def _wrap_parse_args(original):
         ns = original(self, args, namespace)
         try:
             config = config_from_namespace(ns)
-            if config.active and getattr(ns, "ds.lora.rank", 0):
-                raise ValueError(LORA_REFUSED)
+            refusal = refused_option(lambda dotted, default: getattr(ns, dotted, default)) if config.active else None
+            if refusal:
+                raise ValueError(refusal)
         except ValueError as exc:
             self.error(str(exc))
         _normalize(ns, config)

@@ -3,7 +3,8 @@
     python ds_worker.py OUT_DIR WORLD_SIZE SCENARIO [SCENARIO ...]
 
 A scenario is ``<config>:<faircast>``, e.g. ``z2_offload:stochastic``, ``z3:off`` or ``z2:ema`` (stochastic
-with ``ema_decay=EMA_DECAY``). Every rank writes
+with ``ema_decay=EMA_DECAY``); ``<config>:partial`` and ``<config>:nothing`` are the failure drills of
+:func:`run_failure` (one step, whose copy-back the last rank writes partly or wholly outside Fair Cast). Every rank writes
 ``OUT_DIR/<scenario>.rank<r>.pt`` with, per canonical parameter name, the initial bf16 weights, the fp32
 masters after every step and the bf16 weights (what a rollout engine would be sent) after every step.
 Every rank sees the same batch, so the fp32 masters are the same whatever the stage or the world size.
@@ -260,6 +261,44 @@ def run_scenario(name: str, world: int, mode: str, out_dir: str, rank: int) -> d
     return record
 
 
+FAILURES = ("partial", "nothing")
+
+
+def run_failure(name: str, world: int, mode: str, rank: int) -> dict:
+    """One Fair Cast step in which, on the last rank only, DeepSpeed writes half (``partial``) or all (``nothing``)
+    of each copy-back of the weights outside Fair Cast, round-to-nearest, as a swap path it does not see would.
+    Records the error each rank raised (every rank must raise, none may wait forever) and the weight version."""
+    import deepspeed
+
+    from faircast_plugins.deepspeed import patch
+    from faircast_plugins.patching import FairCastPatchError
+
+    engine, fc = make_engine(name, world, "stochastic")
+    intercept = patch._CopyBackInterceptor.copy_
+
+    def copy_missing_some(self, dst, src, non_blocking=False):
+        if self._busy or dst.dtype != torch.bfloat16 or not self.layout.segments(dst):
+            return intercept(self, dst, src, non_blocking)
+        flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+        seen = dst.numel() // 2 if mode == "partial" else 0
+        patch._ORIGINAL_COPY(flat_dst[seen:], flat_src[seen:])
+        if seen:
+            intercept(self, flat_dst[:seen], flat_src[:seen], non_blocking)
+        return dst
+
+    if rank == world - 1:
+        patch._CopyBackInterceptor.copy_ = copy_missing_some
+    try:
+        train_step(engine, batch())
+        error = None
+    except FairCastPatchError as e:
+        error = str(e)
+    finally:
+        patch._CopyBackInterceptor.copy_ = intercept
+    deepspeed.comm.barrier()
+    return {"error": error, "version": fc.caster.version}
+
+
 def worker(rank: int, world: int, out_dir: str, scenarios: list, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
@@ -275,7 +314,7 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list, port: int):
     for scenario in scenarios:
         name, mode = scenario.split(":")
         t0 = time.perf_counter()
-        record = run_scenario(name, world, mode, out_dir, rank)
+        record = run_failure(name, world, mode, rank) if mode in FAILURES else run_scenario(name, world, mode, out_dir, rank)
         print(f"[ds_worker] rank {rank} {scenario}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         torch.save(record, os.path.join(out_dir, f"{name}-{mode}.rank{rank}.pt"))
 

@@ -101,6 +101,7 @@ def test_ema_decay_reaches_the_policy_config(launch):
     (["--faircast", "--faircast.ema_decay", "1.5"], "faircast.ema_decay must be in [0, 1)"),
     (["--faircast", "--faircast.ema_decay", "x"], "faircast.ema_decay must be a number"),
     (["--faircast", "--ds.lora.rank", "8"], "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported"),
+    (["--faircast", "--ds.tensor_parallel_size", "2"], "Fair Cast with DeepSpeed AutoTP (--ds.tensor_parallel_size > 1)"),
 ])
 def test_bad_values_give_a_clear_error(launch, capsys, argv, message):
     from faircast_plugins.openrlhf.train_ppo_ray import main
@@ -202,3 +203,20 @@ def test_example_parses_with_openrlhf(launch, name):
         for part in path:
             value = getattr(value, part)
         assert value == want, (".".join(path), value)
+
+
+def test_policy_actor_refuses_autotp_before_loading_the_model():
+    """The policy actor's init checks the hierarchized args too (a run started without this CLI)."""
+    from types import SimpleNamespace
+
+    from faircast_plugins.openrlhf.policy import check_supported
+    from faircast_plugins.patching import FairCastPatchError
+
+    def args(tp, enable=True):
+        return SimpleNamespace(faircast=SimpleNamespace(enable=enable),
+                               ds=SimpleNamespace(tensor_parallel_size=tp, lora=SimpleNamespace(rank=0)))
+
+    with pytest.raises(FairCastPatchError, match=r"--ds.tensor_parallel_size > 1"):
+        check_supported(args(2))
+    assert check_supported(args(1)).active
+    assert not check_supported(args(2, enable=False)).active  # Fair Cast off: nothing to refuse

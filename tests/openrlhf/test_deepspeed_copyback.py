@@ -28,6 +28,7 @@ SCENARIOS = (
     [f"{c}:stochastic" for c in SR_CONFIGS] + [f"{c}:off" for c in OFF_CONFIGS] + [f"{c}:error_feedback" for c in EF_CONFIGS]
     + [f"{c}:ema" for c in EMA_CONFIGS] + ["z3:sticky"]
 )
+FAILURE_DRILLS = ["z2:partial", "z3:partial", "z2:nothing"]  # ds_worker.run_failure
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +38,11 @@ def runs(tmp_path_factory):
     for world in WORLDS:
         d = tmp_path_factory.mktemp(f"ds_world{world}")
         proc = subprocess.run(
-            [sys.executable, os.path.join(HERE, "ds_worker.py"), str(d), str(world), *SCENARIOS],
+            [sys.executable, os.path.join(HERE, "ds_worker.py"), str(d), str(world), *SCENARIOS, *FAILURE_DRILLS],
             capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=900,
         )
         assert proc.returncode == 0, f"DeepSpeed worker (world {world}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        for scenario in SCENARIOS:
+        for scenario in SCENARIOS + FAILURE_DRILLS:
             name, mode = scenario.split(":")
             for rank in range(world):
                 out[(name, mode, world, rank)] = torch.load(d / f"{name}-{mode}.rank{rank}.pt", weights_only=False)
@@ -230,3 +231,26 @@ def test_ema_run_reports_the_audit_metrics(runs):
     assert [m["faircast/version"] for m in metrics] == [float(v) for v in range(1, ds_worker.STEPS + 1)]
     for key in ("faircast/served_changed_frac", "faircast/master_moved_frac", "faircast/lag_steps"):
         assert key in metrics[-1], metrics[-1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("drill", FAILURE_DRILLS)
+def test_a_copy_back_outside_fair_cast_fails_on_every_rank(runs, drill, world):
+    """Each step must cast exactly the elements this rank's copy-back writes (ZeRO-3 NVMe swaps and any other path
+    Fair Cast does not see would leave them round-to-nearest). The last rank writes half (``partial``) or all
+    (``nothing``) of its copy-back outside Fair Cast: every rank raises (a collective check, so none hangs in
+    DeepSpeed's next collective) and the version stays at the last step taken. The same steps without the drill
+    cast exactly the expected count (test_served_copy_is_fair_cast_of_master)."""
+    config, mode = drill.split(":")
+    last = world - 1
+    for rank in range(world):
+        rec = runs[(config, mode, world, rank)]
+        what = f"{drill} world {world} rank {rank}"
+        assert rec["error"] is not None, f"{what}: the step passed"
+        assert rec["version"] == 0, f"{what}: the failed step advanced the version"
+        if rank == last and mode == "partial":
+            assert "but this rank owns" in rec["error"], f"{what}: {rec['error']}"
+        elif rank == last:
+            assert "none into the model's weights" in rec["error"], f"{what}: {rec['error']}"
+        else:
+            assert f"failed on rank(s) [{last}]" in rec["error"], f"{what}: {rec['error']}"

@@ -164,6 +164,10 @@ class FairCastCallback(TrainerCallback):
                 self.caster.cast(name, local, offset=offset)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.config.enabled:
+            from .patches import check_optimizer
+
+            check_optimizer(type(self.trainer).__name__, self.trainer.optimizer)
         if self.on_deepspeed:
             self._attach_deepspeed(state)
             self.resume_dir = None

@@ -83,16 +83,82 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
     if peft_config is not None:
         raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
     cfg = faircast_config(args)
-    if _generates_in_place(args) and cfg is not None and cfg.enabled and getattr(args, "fp16", False):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(use_transformers_continuous_batching=True, fp16=True) is refused: that "
-            f"path casts the policy to fp16 for generation, which rounds the bf16 served copy again. Use bf16=True."
-        )
+    if cfg is not None and cfg.enabled:
+        _check_enabled_args(trainer_name, args)
     if getattr(args, "deepspeed", None):
         _check_deepspeed_args(trainer_name, args)
     if getattr(args, "fsdp", None):
         plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
         _check_fsdp(trainer_name, args, plugin_args.get("fsdp_version", 2), "bf16" if args.bf16 else "no")
+
+
+#: transformers optimizers that move the weights outside ``optimizer.step()`` (inside backward) or swap them
+#: (schedule-free ``train()``/``eval()``): the master would never see the update, or the parameters would not hold the
+#: served copy.
+IN_BACKWARD_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
+                          "apollo_adamw_layerwise", "lomo", "adalomo")
+
+
+def _check_enabled_args(trainer_name: str, args: Any) -> None:
+    """Refusals of options that change what is served or what the optimizer steps (Fair Cast on)."""
+    if getattr(args, "fp16", False):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(fp16=True) is refused: fp16 autocast (and the continuous-batching "
+            f"generation's fp16 cast) rounds the bf16 served copy again, so the model would not run on the copy that is "
+            f"served. Use bf16=True."
+        )
+    optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
+    if optim in IN_BACKWARD_OPTIMIZERS:
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(optim={optim!r}) is refused: this optimizer updates the weights inside "
+            f"backward, not in optimizer.step(), so the fp32 master would never move. Use a per-step optimizer "
+            f"(adamw_torch, the default; galore_adamw / apollo_adamw without _layerwise)."
+        )
+    if optim.startswith("schedule_free"):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(optim={optim!r}) is refused: schedule-free optimizers swap the parameters "
+            f"between their train and eval points (optimizer.train()/eval()), outside the Fair Cast master. Use "
+            f"adamw_torch (the default) with a learning-rate schedule."
+        )
+    if getattr(args, "load_best_model_at_end", False):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(load_best_model_at_end=True) is refused: the best checkpoint is loaded "
+            f"with load_state_dict, outside Fair Cast, which would leave its fp32 masters in the parameters and the "
+            f"last step's Fair Cast state in the final save. Keep load_best_model_at_end=False and load the best "
+            f"checkpoint yourself (`faircast export --checkpoint` rebuilds the copy it served)."
+        )
+
+
+def check_optimizer(trainer_name: str, optimizer: Any) -> None:
+    """Refuse a built optimizer (e.g. passed as ``optimizers=``) that steps in backward or is schedule-free."""
+    inner = optimizer
+    while hasattr(inner, "optimizer") and inner.optimizer is not inner:  # accelerate's / DeepSpeed's wrappers
+        inner = inner.optimizer
+    name = type(inner).__name__
+    if name in ("LayerWiseDummyOptimizer", "Lomo", "AdaLomo") or callable(getattr(inner, "train", None)):
+        raise FairCastUnsupportedError(
+            f"Fair Cast in {trainer_name} with the optimizer {name} is refused: it updates the weights inside "
+            f"backward, or swaps them between its train and eval points (schedule-free), outside the Fair Cast "
+            f"master. Use a per-step optimizer such as torch.optim.AdamW."
+        )
+
+
+def check_engine_dtype(trainer_name: str, llm: Any) -> None:
+    """A colocated vLLM engine must hold bf16 weights: loading the bf16 served copy into fp16 or fp32 weights would
+    round it again (fp16) or serve something else than the trainer's forward (fp32)."""
+    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+    if dtype is None:
+        raise FairCastPatchError(
+            f"Fair Cast could not read the colocated vLLM engine's dtype (LLM.llm_engine.model_config.dtype) in "
+            f"{trainer_name}; it must be bfloat16."
+        )
+    if dtype != torch.bfloat16:
+        raise FairCastUnsupportedError(
+            f"Fair Cast in {trainer_name} with a colocated vLLM engine in {dtype} is refused: the served copy is bf16 "
+            f"and loading it into {dtype} weights would not serve it bit for bit. vLLM picks the dtype from the model's "
+            f"config (torch_dtype); save the model with torch_dtype bfloat16, or use vllm_mode='server' with "
+            f"`--dtype bfloat16`."
+        )
 
 
 def _generates_in_place(args: Any) -> bool:
@@ -172,6 +238,9 @@ def _trainer_init(trainer_name: str):
             generation = getattr(self, "vllm_generation", None)
             if generation is not None:
                 generation._faircast = callback
+            llm = getattr(generation, "llm", None) if generation is not None else getattr(self, "llm", None)
+            if cfg.enabled and llm is not None:  # a colocated engine (GRPO/RLOO's VLLMGeneration, Online DPO's own)
+                check_engine_dtype(trainer_name, llm)
 
         return __init__
 

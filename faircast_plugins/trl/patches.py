@@ -232,7 +232,7 @@ def _trainer_init(trainer_name: str):
                 return
             _check_trainer(trainer_name, self)
             callback = FairCastCallback(self, cfg)
-            callback.check_model()  # fp32 masters: fail now, not after the first generation
+            callback.prepare()  # fp32 masters: fail now, not after the first generation
             self._faircast = callback
             self.add_callback(callback)
             generation = getattr(self, "vllm_generation", None)
@@ -281,21 +281,6 @@ def _bf16_manifest(trainer) -> None:
     info["dtype_names"] = ["bfloat16" if d == "float32" else d for d in info["dtype_names"]]
 
 
-def _served_stream(callback, stream):
-    """The ``(name, tensor)`` stream a rollout engine receives, as the served bf16 copy."""
-    if callback.on_fsdp:  # full fp32 masters, gathered one at a time: the bits FSDP's cast gives the shards
-        yield from callback.fsdp_export(stream)
-        return
-    for name, tensor in stream:
-        # The parameter holds fair_cast(master) at the current version: this cast is exact.
-        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
-
-
-def _serves(callback) -> bool:
-    """Whether the export must be cast: Fair Cast on, and not DeepSpeed (whose bf16 parameters are the copy)."""
-    return callback is not None and (callback.shadow or (callback.on_fsdp and callback.config.enabled))
-
-
 def _generate_in_place(original):
     @functools.wraps(original)
     def _generate_single_turn(self, *args, **kwargs):
@@ -316,10 +301,8 @@ def _served_export(find):
         @functools.wraps(original)
         def iterate(self, *args, **kwargs):
             callback = find(self)
-            if not _serves(callback):
-                yield from original(self, *args, **kwargs)
-                return
-            yield from _served_stream(callback, original(self, *args, **kwargs))
+            stream = original(self, *args, **kwargs)
+            yield from stream if callback is None else callback.export(stream)
 
         return iterate
 

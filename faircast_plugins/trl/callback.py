@@ -4,9 +4,12 @@ What happens at each point depends on the backend, one small class each (:mod:`f
 shadow masters in one process or DDP, the DeepSpeed copy-back patch, the FSDP2 cast patches. The callback holds
 what is the same for all of them:
 
-* at construction (:meth:`FairCastCallback.prepare`): the backend's checks (fp32 masters);
-* at train begin: refuse an optimizer that moves the weights outside ``optimizer.step()``, then the backend attaches
-  and restores a resume's Fair Cast state;
+* at construction (:meth:`FairCastCallback.prepare`): the backend's checks; in one process or DDP the policy serves
+  version 0 from now on;
+* at train begin: refuse an optimizer that moves the weights outside ``optimizer.step()``, refuse a second
+  ``train()`` that would restart the weight version, then the backend attaches and restores a resume's Fair Cast
+  state (a missing state file is refused when the mode needs it, on every backend, unless
+  ``faircast_resume_without_state=True``);
 * around each optimizer step: the backend's ``before_step`` / ``after_step`` (the version advances once per step);
 * at every save: the backend's state files and one ``faircast.json`` record.
 
@@ -15,6 +18,7 @@ vLLM serves trails the master, and TRL's logs get the same ``faircast/*`` metric
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Dict, Optional
@@ -24,6 +28,7 @@ from transformers import TrainerCallback
 
 from ..caster import FairCaster
 from ..config import FairCastConfig
+from ..patching import FairCastPatchError
 from .backends import Backend, backend_for
 
 INFO_FILE = "faircast.json"
@@ -50,8 +55,18 @@ class FairCastCallback(TrainerCallback):
         return self.backend.masters
 
     def prepare(self) -> None:
-        """At construction: the backend's checks (fp32 masters)."""
+        """At construction: the backend's checks (fp32 masters); one process or DDP serves version 0 from now on."""
         self.backend.prepare()
+
+    def check_ready(self, what: str) -> None:
+        """Refuse ``what`` (an evaluation, an engine sync) before Fair Cast is attached to the engine (DeepSpeed, FSDP
+        before the first ``train()``): it would run on, or export, round to nearest of the raw masters."""
+        if self.config.enabled and not self.backend.ready:
+            raise FairCastPatchError(
+                f"{what} before the first train() is refused under {type(self.backend).__name__}: Fair Cast attaches "
+                f"to the engine when train() prepares it, so this would run on round to nearest of the raw masters. "
+                f"Call it after train() has started, or without faircast."
+            )
 
     # -- the training loop ----------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -59,6 +74,14 @@ class FairCastCallback(TrainerCallback):
             from .patches import check_optimizer
 
             check_optimizer(type(self.trainer).__name__, self.trainer.optimizer)
+        resuming = bool(self.resume_dir) or state.global_step > 0
+        if not resuming and self.caster.version != state.global_step:
+            raise FairCastPatchError(
+                f"a second train() on this {type(self.trainer).__name__} restarts at step {state.global_step}, but "
+                f"Fair Cast's weight version counts the optimizer steps taken ({self.caster.version}): the rounding "
+                f"noise would repeat and error feedback's residuals would not match. Build a new trainer, or resume: "
+                f"train(resume_from_checkpoint=...)."
+            )
         self.backend.begin(state, self.resume_dir)
         self.resume_dir = None
 
@@ -71,6 +94,18 @@ class FairCastCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.backend.after_checkpoint(args, state)
 
+    def mix_masters_into(self, sync_ref_callback) -> None:
+        """TRL's ``SyncRefModelCallback`` mixes the policy into the reference model at ``on_step_end``: make it mix
+        the fp32 masters (the trained policy) rather than the served copy the parameters hold."""
+        original = sync_ref_callback.on_step_end
+
+        @functools.wraps(original)
+        def on_step_end(*args, **kwargs):
+            with self.backend.masters_in_params():
+                return original(*args, **kwargs)
+
+        sync_ref_callback.on_step_end = on_step_end
+
     # -- export, generation, metrics ------------------------------------------------------------------------
     def bf16_generation(self):
         """Around TRL's continuous-batching generation, which casts the policy to bf16 in place and never back."""
@@ -82,6 +117,7 @@ class FairCastCallback(TrainerCallback):
 
     def export(self, stream):
         """The ``(name, tensor)`` stream a rollout engine receives, as the served copy."""
+        self.check_ready("A weight sync to the rollout engine")
         yield from self.backend.export(stream) if self.backend.serves_export else stream
 
     def metrics(self) -> Dict[str, float]:

@@ -57,6 +57,7 @@ VLLM_EXPORT = "trl.generation.vllm_generation:VLLMGeneration._iter_named_params"
 SAVE_MODEL = "transformers.trainer:Trainer.save_model"
 LOAD_CHECKPOINT = "transformers.trainer:Trainer._load_from_checkpoint"
 LOG = "transformers.trainer:Trainer.log"
+EVALUATE = "transformers.trainer:Trainer.evaluate"
 
 
 class FairCastUnsupportedError(FairCastPatchError):
@@ -235,6 +236,9 @@ def _trainer_init(trainer_name: str):
             callback.prepare()  # fp32 masters: fail now, not after the first generation
             self._faircast = callback
             self.add_callback(callback)
+            for other in self.callback_handler.callbacks:
+                if cfg.enabled and type(other).__name__ == "SyncRefModelCallback":
+                    callback.mix_masters_into(other)  # the reference mixes in the masters, not the served copy
             generation = getattr(self, "vllm_generation", None)
             if generation is not None:
                 generation._faircast = callback
@@ -338,6 +342,17 @@ def _load_from_checkpoint(original):
     return _load
 
 
+def _evaluate(original):
+    @functools.wraps(original)
+    def evaluate(self, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is not None:
+            callback.check_ready("evaluate()")
+        return original(self, *args, **kwargs)
+
+    return evaluate
+
+
 def _log(original):
     @functools.wraps(original)
     def log(self, logs, *args, **kwargs):
@@ -361,6 +376,7 @@ def build_patch_set() -> PatchSet:
     patches.wrap(SAVE_MODEL, _save_model)
     patches.wrap(LOAD_CHECKPOINT, _load_from_checkpoint)
     patches.wrap(LOG, _log)
+    patches.wrap(EVALUATE, _evaluate)
     return patches
 
 

@@ -364,8 +364,9 @@ def test_fsdp2_error_feedback_resume_without_its_state_is_refused(stateful_runs)
     """Negative controls for the resume: without the per-rank state files, or from a checkpoint written at another
     world size, an error-feedback run refuses to start instead of restarting its residuals."""
     for res in stateful_runs["error_feedback:nostate"]:
-        assert res["error"] and "needs this rank's Fair Cast state" in res["error"], res["error"]
-        assert f"faircast_state_rank0000{res['rank']}.pt does not exist" in res["error"]
+        assert res["error"] and "needs the Fair Cast state" in res["error"], res["error"]
+        assert f"faircast_state_rank0000{res['rank']}.pt, which does not exist" in res["error"]
+        assert "faircast_resume_without_state=True" in res["error"]
         assert res["served"] == {}  # refused before any forward
     for res in stateful_runs["error_feedback:worldsize"]:
         assert res["error"] and "at world size 2" in res["error"] and "written at world size 4" in res["error"]

@@ -9,7 +9,7 @@
 
 :class:`Backend` is what they share: the points of the lifecycle that :class:`~faircast_plugins.trl.FairCastCallback`
 calls (``prepare`` at construction, ``begin`` at train begin, ``before_step``/``after_step`` around each optimizer
-step, ``export``, ``save_state``) and the restore of a resume's Fair Cast state.
+step, ``export``, ``save_state``) and the one rule for a resume from a checkpoint without Fair Cast state.
 """
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ import torch
 
 from ...caster import FairCaster
 from ...export import STATE_FILE
+from ...patching import FairCastPatchError
 
 logger = logging.getLogger("faircast_plugins")
+
+RESUME_OPTION = "faircast_resume_without_state"
+
 
 def keeps_state(config) -> bool:
     """Whether the served copy depends on per-element state besides the master (error feedback, an EMA)."""
@@ -113,8 +117,8 @@ class Backend:
         logger.warning("Fair Cast: restored state (weight version %d) from %s", self.caster.version, path)
         return None
 
-    def restore(self, directory: Optional[str], step: int) -> bool:
-        """Set the weight version to ``step``, restoring the state of a resume from ``directory``; True if restored."""
+    def restore(self, directory: Optional[str], step: int) -> None:
+        """Set the weight version to ``step``, restoring the state of a resume from ``directory``."""
         if directory:
             missing = self.load_state(directory)
             if missing is None:
@@ -123,14 +127,24 @@ class Backend:
                         f"Fair Cast state in {directory} is at weight version {self.caster.version} but the trainer "
                         f"resumes at step {step}"
                     )
-                return True
-            if step and self.config.enabled:
-                logger.warning(
-                    "Fair Cast: resuming at step %d from a checkpoint without %s; starting Fair Cast state "
-                    "(error-feedback residuals, EMA) fresh at weight version %d", step, STATE_FILE, step,
-                )
+                return
+            self.missing_state(missing, step)
         self.caster.version = step
-        return False
+
+    def missing_state(self, path: str, step: int) -> None:
+        """A resume without Fair Cast state, the same on every backend: refused when the mode keeps per-element state
+        (starting it fresh would not reproduce the run) unless ``faircast_resume_without_state=True`` asks for it."""
+        if keeps_state(self.config) and not getattr(self.trainer.args, RESUME_OPTION, False):
+            raise FairCastPatchError(
+                f"resuming at step {step} with {state_what(self.config)} needs the Fair Cast state {path}, which does "
+                f"not exist (a checkpoint written without Fair Cast, with another mode, or by a plugin version that did "
+                f"not save it); starting the state fresh would not reproduce the run. Set {RESUME_OPTION}=True to "
+                f"start it fresh on purpose."
+            )
+        if self.config.enabled:
+            logger.warning("Fair Cast: resuming at step %d without %s; Fair Cast state (error-feedback residuals, EMA) "
+                           "starts fresh at weight version %d", step, path, step)
+        self.caster.load_state_dict(FairCaster(self.config, version=step).state_dict())  # fresh, at this version
 
     # -- metrics --------------------------------------------------------------------------------------------
     def metrics(self) -> Dict[str, float]:

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Optional
 
-from . import Backend
+from . import Backend, keeps_state
 
 
 class DeepSpeedBackend(Backend):
@@ -21,10 +21,22 @@ class DeepSpeedBackend(Backend):
 
     def begin(self, state, resume_dir: Optional[str]) -> None:
         from ...deepspeed import apply_deepspeed_patch
+        from ...deepspeed.patch import STATE_FILE
+
         engine = self.trainer.deepspeed
-        if self.attached is None or self.attached.engine is not engine:  # not a second train() on the same engine
+        if self.attached is None or self.attached.engine is not engine:
             self.caster.version = state.global_step  # a DeepSpeed resume then restores the saved state
+            loaded = engine.__dict__.get("_faircast_loaded_from")  # remembered by the patched load_checkpoint
+            fresh = False
+            if loaded and keeps_state(self.config):
+                path = os.path.join(loaded, STATE_FILE.format(rank=self.world()[0]))
+                if not os.path.exists(path):
+                    self.missing_state(path, state.global_step)  # refused unless asked for
+                    engine.__dict__.pop("_faircast_loaded_from")
+                    fresh = True
             self.attached = apply_deepspeed_patch(engine, self.caster, module=self.model())
+            if fresh:
+                self.attached.recast_after_load()
         if self.caster.version != state.global_step:
             raise RuntimeError(
                 f"Fair Cast state restored from the DeepSpeed checkpoint is at weight version {self.caster.version} "

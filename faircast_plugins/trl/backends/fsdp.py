@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ...audit import finalize
+from ...audit import finalize, sample_positions
 from ...cast import fair_cast
 from ...export import save_state
 from ...key import canonical_name
@@ -80,14 +80,18 @@ class FSDPBackend(Backend):
 
     def _cast_shards(self) -> None:
         """Cast this rank's shards at the current version (the same bits as FSDP's own cast). Error feedback advances
-        its residual here, once per version, whatever cast site comes next; the audit sees every version even if no
-        forward runs."""
+        its residual here, once per version, whatever cast site comes next. Audit only: just the audit's sample."""
         if self.stateful or (self.config.enabled and self.caster.audit is not None):
             for name, local, offset in self._shards():
                 self.caster.cast(name, local, offset=offset)
         elif self.caster.audit is not None:
             for name, local, offset in self._shards():
-                self.caster.cast(name, local, offset=offset)
+                flat = local.reshape(-1)
+                pos = sample_positions(flat.numel(), self.config.audit_sample, flat.device)
+                if pos is None:
+                    self.caster.cast(name, flat, offset=offset)
+                else:
+                    self.caster.cast(name, flat[pos], indices=pos + offset)
 
     def after_step(self) -> None:
         with torch.no_grad():
@@ -189,11 +193,7 @@ class FSDPBackend(Backend):
                 f"world size {saved_world}, or train with faircast_mode=stochastic and no EMA."
             )
         if state is None:
-            raise FairCastPatchError(
-                f"resuming from {directory} with {what} under FSDP needs this rank's Fair Cast state, but {path} does "
-                f"not exist (a checkpoint written without Fair Cast, with another mode, or by a plugin version that "
-                f"did not save it); starting the state fresh would not reproduce the run."
-            )
+            return path
         saved_layout = state.get("fsdp", {}).get("shards")
         if saved_layout is not None and saved_layout != self._shard_layout():
             raise FairCastPatchError(

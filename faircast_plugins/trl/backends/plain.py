@@ -1,6 +1,9 @@
 """One process or DDP: the policy's fp32 parameters hold the served copy, the fp32 masters are kept aside.
 
-* at train begin: ``master = p.clone()``, then ``p <- q`` (version 0, or the restored version on resume);
+* at construction: ``master = p.clone()``, then ``p <- q = fair_cast(master)`` at version 0, so an ``evaluate()`` or
+  an engine sync before the first ``train()`` already sees the served copy; frozen parameters are cast once, round
+  to nearest, the way a rollout engine loads them (and the way DeepSpeed and FSDP cast them);
+* at train begin: on a resume, the masters are the checkpoint's (the Trainer loaded them into the parameters);
 * before each optimizer step: ``p <- master``, so the gradient computed at ``q`` is applied to the master;
 * after it: ``master <- p``, version += 1, ``p <- q`` at the new version.
 
@@ -8,7 +11,8 @@ Generation (with or without vLLM), old log-probs and the loss all see ``q``; aut
 and so is vLLM's ``copy_`` into its bf16 weights. Cost: +4 B/param for the masters (+4 more for an error-feedback
 residual or an EMA), two copies per optimizer step.
 
-With only ``faircast_audit`` on nothing is swapped: the audit measures the round-to-nearest copy that vLLM serves.
+With only ``faircast_audit`` on nothing is swapped: the audit measures the round-to-nearest copy that vLLM serves,
+casting only the sampled elements.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ...audit import sample_positions
 from ...key import canonical_name
 from . import Backend, restoring_buffers
 
@@ -26,13 +31,14 @@ class ShadowMasters(Backend):
 
     def __init__(self, trainer, caster):
         super().__init__(trainer, caster)
-        self.params: Dict[str, torch.nn.Parameter] = {}
+        self.params: Dict[str, torch.nn.Parameter] = {}  # trainable: cast at every version
+        self.frozen: Dict[str, torch.nn.Parameter] = {}  # frozen: round to nearest once
 
     @property
     def shadow(self) -> bool:
         return self.config.enabled
 
-    def _collect(self) -> Dict[str, torch.nn.Parameter]:
+    def prepare(self) -> None:
         params = {canonical_name(n): p for n, p in self.model().named_parameters() if p.is_floating_point()}
         bad = sorted(n for n, p in params.items() if p.dtype != torch.float32)
         if bad:
@@ -41,34 +47,48 @@ class ShadowMasters(Backend):
                 f"{params[bad[0]].dtype} (e.g. {bad[0]}). Load the policy in fp32 (the GRPO/RLOO default; "
                 f"model_init_kwargs={{'dtype': 'float32'}}) and keep bf16=True for bf16 compute."
             )
-        return params
-
-    def prepare(self) -> None:
-        self._collect()
-
-    def begin(self, state, resume_dir: Optional[str]) -> None:
-        self.params = self._collect()
-        restored = self.restore(resume_dir, state.global_step)
+        self.params = {n: p for n, p in params.items() if p.requires_grad}
+        self.frozen = {n: p for n, p in params.items() if not p.requires_grad}
+        self._take_masters()
         with torch.no_grad():
-            if self.shadow and (restored or resume_dir or not self.masters):
-                self.masters = {n: p.detach().clone() for n, p in self.params.items()}
-            # else: a second train() on this trainer keeps its masters (the params hold the served copy)
-            self._serve()
+            self._serve()  # version 0
         self.ready = True
 
-    def _serve(self) -> None:
-        """Cast at the current version; with Fair Cast on, the parameters then hold the served copy."""
-        source = self.masters if self.shadow else self._weights()
-        served = self.caster.cast_many(source)
-        if self.shadow:
-            for n, q in served.items():
-                self.params[n].data.copy_(q)
+    def _take_masters(self) -> None:
+        """The parameters hold the masters now (fresh, or a checkpoint's): keep them aside, and cast the frozen ones
+        (round to nearest, once)."""
+        if not self.shadow:
+            return
+        with torch.no_grad():
+            self.masters = {n: p.detach().clone() for n, p in {**self.params, **self.frozen}.items()}
+            for p in self.frozen.values():
+                p.data.copy_(p.data.to(torch.bfloat16))
 
-    def _weights(self) -> Dict[str, torch.Tensor]:
-        """Audit only: the weights the optimizer steps, as fp32. Widening is exact; it matters once TRL's
-        continuous-batching generation has cast the policy to bf16 in place (Fair Cast off keeps TRL's behaviour),
-        after which those bf16 weights are both what is trained and what is served."""
-        return {n: p.detach() if p.dtype == torch.float32 else p.detach().float() for n, p in self.params.items()}
+    def begin(self, state, resume_dir: Optional[str]) -> None:
+        if resume_dir:
+            self._take_masters()  # the Trainer loaded the checkpoint's fp32 masters into the parameters
+        self.restore(resume_dir, state.global_step)
+        with torch.no_grad():
+            self._serve()
+
+    def _serve(self) -> None:
+        """Cast the trainable parameters at the current version; with Fair Cast on, they then hold the served copy."""
+        if not self.shadow:
+            self._audit()
+            return
+        served = self.caster.cast_many({n: self.masters[n] for n in self.params})
+        for n, q in served.items():
+            self.params[n].data.copy_(q)
+
+    def _audit(self) -> None:
+        """Audit only: cast the audit's sample of each trainable weight (widened to fp32: exact, and it matters once
+        TRL's continuous-batching generation has cast the policy to bf16 in place, which Fair Cast off keeps)."""
+        if self.caster.audit is None:
+            return
+        for n, p in self.params.items():
+            flat = p.detach().reshape(-1).float()
+            pos = sample_positions(flat.numel(), self.config.audit_sample, flat.device)
+            self.caster.cast(n, flat) if pos is None else self.caster.cast(n, flat[pos], indices=pos)
 
     def before_step(self) -> None:
         if self.shadow:
@@ -81,9 +101,9 @@ class ShadowMasters(Backend):
             if self.shadow:
                 for n, p in self.params.items():
                     self.masters[n].copy_(p.data)
-                self.caster.advance(self.masters)
+                self.caster.advance({n: self.masters[n] for n in self.params})
             else:
-                self.caster.advance(self._weights())
+                self.caster.advance()
             self._serve()
 
     # -- export and generation ------------------------------------------------------------------------------
@@ -93,7 +113,7 @@ class ShadowMasters(Backend):
 
     def export(self, stream):
         for name, tensor in stream:
-            # The parameter holds fair_cast(master) at the current version: this cast is exact.
+            # The parameter holds the served copy (fair_cast(master), or round to nearest once when frozen): exact.
             yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
 
     @contextmanager
@@ -127,19 +147,19 @@ class ShadowMasters(Backend):
 
     @contextmanager
     def masters_in_params(self):
-        """Temporarily put the fp32 masters back into the parameters (used while saving a checkpoint)."""
+        """Point every parameter at its master while saving, and back afterwards: no copy, no extra memory."""
         if not (self.shadow and self.masters):
             yield
             return
-        with torch.no_grad():
-            served = {n: p.data.clone() for n, p in self.params.items()}
-            for n, p in self.params.items():
-                p.data.copy_(self.masters[n])
-            try:
-                yield
-            finally:
-                for n, p in self.params.items():
-                    p.data.copy_(served[n])
+        params = {**self.params, **self.frozen}
+        served = {n: p.data for n, p in params.items()}
+        try:
+            for n, p in params.items():
+                p.data = self.masters[n]
+            yield
+        finally:
+            for n, p in params.items():
+                p.data = served[n]
 
     def saved_weights(self) -> str:
         return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"

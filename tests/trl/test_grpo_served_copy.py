@@ -233,3 +233,39 @@ def test_frozen_cast_once_and_served_from_construction(tiny_model_dir, prompts_d
         trainer.evaluate(eval_dataset=prompts_dataset)
     with pytest.raises(FairCastPatchError, match="weight sync"):
         list(callback.export(iter([("w", torch.zeros(2))])))
+
+
+def test_audit_only_casts_only_the_sample(tiny_model_dir, prompts_dataset, tmp_path):
+    """Issue 14.20: audit-only casts the elements the audit samples, not the whole model, and reports the same
+    metrics as casting everything (the sample positions are fixed)."""
+    from faircast_plugins import FairCaster
+
+    args = grpo_args(tmp_path / "out", faircast_audit=True, faircast_audit_sample=64)
+    trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
+    callback, params = trainer._faircast, named_params(trainer)
+    reference = FairCaster(callback.config)  # casts every element
+    reference.cast_many({n: p.detach() for n, p in params.items()})
+    callback.on_train_begin(args, trainer.state, trainer.control)
+    cast_elements = []
+    for method in ("cast", "cast_many"):
+        original = getattr(callback.caster, method)
+
+        def counting(named, *a, _original=original, **kw):
+            tensors = [a[0]] if isinstance(named, str) else list(named.values())
+            cast_elements.extend(t.numel() for t in tensors)
+            return _original(named, *a, **kw)
+
+        setattr(callback.caster, method, counting)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # the optimizer's steps, without training
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+        callback.on_optimizer_step(args, trainer.state, trainer.control)
+        reference.advance()
+        reference.cast_many({n: p.detach() for n, p in params.items()})
+    assert cast_elements and max(cast_elements) <= 64, max(cast_elements)
+    assert sum(cast_elements) <= 3 * 64 * len(params) < 3 * sum(p.numel() for p in params.values()) // 10
+    got, want = callback.metrics(), reference.metrics()
+    assert got.keys() == want.keys() and "faircast/lag_steps" in got
+    assert all(abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])) for k in want), (got, want)

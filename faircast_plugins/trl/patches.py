@@ -21,6 +21,11 @@ refuses any TRL outside :data:`SUPPORTED`.
   EMA, every rank writes its own ``faircast_state_rankNNNNN.pt`` instead.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
+* ``Trainer.evaluate``: refused before Fair Cast is attached to the engine (DeepSpeed, FSDP before the first
+  ``train()``); in one process or DDP the policy serves the copy from construction on.
+
+Refused at construction with Fair Cast on: ``fp16=True``, optimizers that step inside backward or are schedule-free,
+``load_best_model_at_end``, a colocated vLLM engine that is not bf16 (and the combinations in :func:`_check_args`).
 
 DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
 ``trainer.deepspeed`` at the start of training instead of keeping shadow masters. FSDP2 (bf16): it registers the

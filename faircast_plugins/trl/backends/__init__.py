@@ -22,6 +22,7 @@ import torch
 
 from ...caster import FairCaster
 from ...export import STATE_FILE
+from ...key import canonical_name
 from ...patching import FairCastPatchError
 
 logger = logging.getLogger("faircast_plugins")
@@ -58,6 +59,18 @@ class Backend:
         """``(rank, world size)`` of the trainer's processes."""
         accelerator = self.trainer.accelerator
         return accelerator.process_index, accelerator.num_processes
+
+    def fp32_params(self) -> Dict[str, torch.nn.Parameter]:
+        """The policy's floating-point parameters by canonical name; a clear ``TypeError`` unless all are fp32."""
+        params = {canonical_name(n): p for n, p in self.model().named_parameters() if p.is_floating_point()}
+        bad = sorted(n for n, p in params.items() if p.dtype != torch.float32)
+        if bad:
+            raise TypeError(
+                f"Fair Cast needs fp32 master weights, but {len(bad)} parameter(s) are "
+                f"{params[bad[0]].dtype} (e.g. {bad[0]}). Load the policy in fp32 (the GRPO/RLOO default; "
+                f"model_init_kwargs={{'dtype': 'float32'}}) and keep bf16=True for bf16 compute."
+            )
+        return params
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def prepare(self) -> None:

@@ -43,13 +43,7 @@ class FSDPBackend(Backend):
         return keeps_state(self.config)
 
     def prepare(self) -> None:
-        params = {canonical_name(n): p for n, p in self.model().named_parameters() if p.is_floating_point()}
-        bad = sorted(n for n, p in params.items() if p.dtype != torch.float32)
-        if bad:
-            raise TypeError(
-                f"Fair Cast needs fp32 master weights, but {len(bad)} parameter(s) are {params[bad[0]].dtype} (e.g. "
-                f"{bad[0]}). Load the policy in fp32 and keep bf16=True for bf16 compute."
-            )
+        self.fp32_params()
 
     def begin(self, state, resume_dir: Optional[str]) -> None:
         from ...fsdp import apply_fsdp_cast_patches, register_fsdp_module

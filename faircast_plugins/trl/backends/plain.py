@@ -22,7 +22,6 @@ from typing import Dict, Optional
 import torch
 
 from ...audit import sample_positions
-from ...key import canonical_name
 from . import Backend, restoring_buffers
 
 
@@ -39,14 +38,7 @@ class ShadowMasters(Backend):
         return self.config.enabled
 
     def prepare(self) -> None:
-        params = {canonical_name(n): p for n, p in self.model().named_parameters() if p.is_floating_point()}
-        bad = sorted(n for n, p in params.items() if p.dtype != torch.float32)
-        if bad:
-            raise TypeError(
-                f"Fair Cast needs fp32 master weights, but {len(bad)} parameter(s) are "
-                f"{params[bad[0]].dtype} (e.g. {bad[0]}). Load the policy in fp32 (the GRPO/RLOO default; "
-                f"model_init_kwargs={{'dtype': 'float32'}}) and keep bf16=True for bf16 compute."
-            )
+        params = self.fp32_params()
         self.params = {n: p for n, p in params.items() if p.requires_grad}
         self.frozen = {n: p for n, p in params.items() if not p.requires_grad}
         self._take_masters()

@@ -7,8 +7,9 @@
 From the command line: ``faircast-trl grpo --config cfg.yaml`` (the ``trl`` arguments, ``faircast: true`` in the
 YAML), or plain ``trl`` after the opt-in ``faircast-trl hook install``. See docs/trl.md.
 
-Modules: ``config`` (the ``faircast*`` fields on TRL's configs), ``callback`` (shadow masters, served copy,
-checkpoint state, metrics), ``patches`` (the PatchSet: trainers, continuous-batching generation, vLLM export,
+Modules: ``config`` (the ``faircast*`` fields on TRL's configs), ``callback`` (the lifecycle every backend shares:
+checkpoint record, resume rules, metrics), ``backends`` (one class per backend: shadow masters in one process or
+DDP, DeepSpeed, FSDP2), ``patches`` (the PatchSet: trainers, continuous-batching generation, vLLM export,
 save/resume, logs), ``cli`` and ``launch`` (``faircast-trl``).
 """
 from __future__ import annotations

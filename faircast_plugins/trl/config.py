@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import FairCastConfig
+from ..config import FairCastConfig, parse_bool
 
 # (module that defines it, class name): every TRL 1.16 config that gains the flag.
 CONFIG_CLASSES = (
@@ -31,6 +31,12 @@ _HELP = {
     "faircast_seed": "Fair Cast seed (unsigned 64-bit), the same on every rank.",
     "faircast_ema_decay": "Fair Cast: serve an EMA of the fp32 master with this decay in [0, 1); 0 = off.",
     "faircast_audit": "Fair Cast audit: log faircast/* metrics (lag, bias, changed fractions); works with faircast off.",
+    "faircast_audit_sample": "Fair Cast audit: elements sampled per parameter for the metrics.",
+    "faircast_backend": "Fair Cast kernel: 'auto' (Triton on CUDA, numba on CPU), 'torch', 'triton' or 'cpu'.",
+    "faircast_resume_without_state": (
+        "Fair Cast: resume from a checkpoint that has no Fair Cast state, starting the error-feedback residuals or "
+        "the EMA fresh at the checkpoint's step (the run is then not reproducible). Off: such a resume is refused."
+    ),
 }
 
 
@@ -43,6 +49,9 @@ class FairCastArguments:
     faircast_seed: int = field(default=0, metadata={"help": _HELP["faircast_seed"]})
     faircast_ema_decay: float = field(default=0.0, metadata={"help": _HELP["faircast_ema_decay"]})
     faircast_audit: bool = field(default=False, metadata={"help": _HELP["faircast_audit"]})
+    faircast_audit_sample: int = field(default=4096, metadata={"help": _HELP["faircast_audit_sample"]})
+    faircast_backend: str = field(default="auto", metadata={"help": _HELP["faircast_backend"]})
+    faircast_resume_without_state: bool = field(default=False, metadata={"help": _HELP["faircast_resume_without_state"]})
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FairCastArguments))
@@ -56,7 +65,8 @@ def faircast_config(args: Any) -> Optional[FairCastConfig]:
     if isinstance(value, FairCastConfig):
         return value
     overrides = dict(
-        mode=args.faircast_mode, seed=args.faircast_seed, ema_decay=args.faircast_ema_decay, audit=args.faircast_audit
+        mode=args.faircast_mode, seed=args.faircast_seed, ema_decay=args.faircast_ema_decay, audit=args.faircast_audit,
+        audit_sample=args.faircast_audit_sample, backend=args.faircast_backend,
     )
     if isinstance(value, dict):  # YAML ``faircast: {mode: ..., seed: ...}``: the mapping wins over the defaults
         return FairCastConfig.from_value(value, **{k: v for k, v in overrides.items() if k not in value})
@@ -68,6 +78,8 @@ def _post_init(self) -> None:
     # Normalise what the user wrote (``"true"``, a mapping) to the flat fields, so to_dict()/YAML stay simple.
     self.faircast, self.faircast_mode, self.faircast_seed = cfg.enabled, cfg.mode, cfg.seed
     self.faircast_ema_decay, self.faircast_audit = cfg.ema_decay, cfg.audit
+    self.faircast_audit_sample, self.faircast_backend = cfg.audit_sample, cfg.backend
+    self.faircast_resume_without_state = parse_bool(self.faircast_resume_without_state, "faircast_resume_without_state")
 
 
 def make_config_class(base: type) -> type:

@@ -21,6 +21,11 @@ refuses any TRL outside :data:`SUPPORTED`.
   EMA, every rank writes its own ``faircast_state_rankNNNNN.pt`` instead.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
+* ``Trainer.evaluate``: refused before Fair Cast is attached to the engine (DeepSpeed, FSDP before the first
+  ``train()``); in one process or DDP the policy serves the copy from construction on.
+
+Refused at construction with Fair Cast on: ``fp16=True``, optimizers that step inside backward or are schedule-free,
+``load_best_model_at_end``, a colocated vLLM engine that is not bf16 (and the combinations in :func:`_check_args`).
 
 DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
 ``trainer.deepspeed`` at the start of training instead of keeping shadow masters. FSDP2 (bf16): it registers the
@@ -57,6 +62,7 @@ VLLM_EXPORT = "trl.generation.vllm_generation:VLLMGeneration._iter_named_params"
 SAVE_MODEL = "transformers.trainer:Trainer.save_model"
 LOAD_CHECKPOINT = "transformers.trainer:Trainer._load_from_checkpoint"
 LOG = "transformers.trainer:Trainer.log"
+EVALUATE = "transformers.trainer:Trainer.evaluate"
 
 
 class FairCastUnsupportedError(FairCastPatchError):
@@ -83,16 +89,82 @@ def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
     if peft_config is not None:
         raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
     cfg = faircast_config(args)
-    if _generates_in_place(args) and cfg is not None and cfg.enabled and getattr(args, "fp16", False):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(use_transformers_continuous_batching=True, fp16=True) is refused: that "
-            f"path casts the policy to fp16 for generation, which rounds the bf16 served copy again. Use bf16=True."
-        )
+    if cfg is not None and cfg.enabled:
+        _check_enabled_args(trainer_name, args)
     if getattr(args, "deepspeed", None):
         _check_deepspeed_args(trainer_name, args)
     if getattr(args, "fsdp", None):
         plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
         _check_fsdp(trainer_name, args, plugin_args.get("fsdp_version", 2), "bf16" if args.bf16 else "no")
+
+
+#: transformers optimizers that move the weights outside ``optimizer.step()`` (inside backward) or swap them
+#: (schedule-free ``train()``/``eval()``): the master would never see the update, or the parameters would not hold the
+#: served copy.
+IN_BACKWARD_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
+                          "apollo_adamw_layerwise", "lomo", "adalomo")
+
+
+def _check_enabled_args(trainer_name: str, args: Any) -> None:
+    """Refusals of options that change what is served or what the optimizer steps (Fair Cast on)."""
+    if getattr(args, "fp16", False):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(fp16=True) is refused: fp16 autocast (and the continuous-batching "
+            f"generation's fp16 cast) rounds the bf16 served copy again, so the model would not run on the copy that is "
+            f"served. Use bf16=True."
+        )
+    optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
+    if optim in IN_BACKWARD_OPTIMIZERS:
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(optim={optim!r}) is refused: this optimizer updates the weights inside "
+            f"backward, not in optimizer.step(), so the fp32 master would never move. Use a per-step optimizer "
+            f"(adamw_torch, the default; galore_adamw / apollo_adamw without _layerwise)."
+        )
+    if optim.startswith("schedule_free"):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(optim={optim!r}) is refused: schedule-free optimizers swap the parameters "
+            f"between their train and eval points (optimizer.train()/eval()), outside the Fair Cast master. Use "
+            f"adamw_torch (the default) with a learning-rate schedule."
+        )
+    if getattr(args, "load_best_model_at_end", False):
+        raise FairCastUnsupportedError(
+            f"Fair Cast with {trainer_name}(load_best_model_at_end=True) is refused: the best checkpoint is loaded "
+            f"with load_state_dict, outside Fair Cast, which would leave its fp32 masters in the parameters and the "
+            f"last step's Fair Cast state in the final save. Keep load_best_model_at_end=False and load the best "
+            f"checkpoint yourself (`faircast export --checkpoint` rebuilds the copy it served)."
+        )
+
+
+def check_optimizer(trainer_name: str, optimizer: Any) -> None:
+    """Refuse a built optimizer (e.g. passed as ``optimizers=``) that steps in backward or is schedule-free."""
+    inner = optimizer
+    while hasattr(inner, "optimizer") and inner.optimizer is not inner:  # accelerate's / DeepSpeed's wrappers
+        inner = inner.optimizer
+    name = type(inner).__name__
+    if name in ("LayerWiseDummyOptimizer", "Lomo", "AdaLomo") or callable(getattr(inner, "train", None)):
+        raise FairCastUnsupportedError(
+            f"Fair Cast in {trainer_name} with the optimizer {name} is refused: it updates the weights inside "
+            f"backward, or swaps them between its train and eval points (schedule-free), outside the Fair Cast "
+            f"master. Use a per-step optimizer such as torch.optim.AdamW."
+        )
+
+
+def check_engine_dtype(trainer_name: str, llm: Any) -> None:
+    """A colocated vLLM engine must hold bf16 weights: loading the bf16 served copy into fp16 or fp32 weights would
+    round it again (fp16) or serve something else than the trainer's forward (fp32)."""
+    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+    if dtype is None:
+        raise FairCastPatchError(
+            f"Fair Cast could not read the colocated vLLM engine's dtype (LLM.llm_engine.model_config.dtype) in "
+            f"{trainer_name}; it must be bfloat16."
+        )
+    if dtype != torch.bfloat16:
+        raise FairCastUnsupportedError(
+            f"Fair Cast in {trainer_name} with a colocated vLLM engine in {dtype} is refused: the served copy is bf16 "
+            f"and loading it into {dtype} weights would not serve it bit for bit. vLLM picks the dtype from the model's "
+            f"config (torch_dtype); save the model with torch_dtype bfloat16, or use vllm_mode='server' with "
+            f"`--dtype bfloat16`."
+        )
 
 
 def _generates_in_place(args: Any) -> bool:
@@ -166,12 +238,18 @@ def _trainer_init(trainer_name: str):
                 return
             _check_trainer(trainer_name, self)
             callback = FairCastCallback(self, cfg)
-            callback.check_model()  # fp32 masters: fail now, not after the first generation
+            callback.prepare()  # fp32 masters: fail now, not after the first generation
             self._faircast = callback
             self.add_callback(callback)
+            for other in self.callback_handler.callbacks:
+                if cfg.enabled and type(other).__name__ == "SyncRefModelCallback":
+                    callback.mix_masters_into(other)  # the reference mixes in the masters, not the served copy
             generation = getattr(self, "vllm_generation", None)
             if generation is not None:
                 generation._faircast = callback
+            llm = getattr(generation, "llm", None) if generation is not None else getattr(self, "llm", None)
+            if cfg.enabled and llm is not None:  # a colocated engine (GRPO/RLOO's VLLMGeneration, Online DPO's own)
+                check_engine_dtype(trainer_name, llm)
 
         return __init__
 
@@ -212,21 +290,6 @@ def _bf16_manifest(trainer) -> None:
     info["dtype_names"] = ["bfloat16" if d == "float32" else d for d in info["dtype_names"]]
 
 
-def _served_stream(callback, stream):
-    """The ``(name, tensor)`` stream a rollout engine receives, as the served bf16 copy."""
-    if callback.on_fsdp:  # full fp32 masters, gathered one at a time: the bits FSDP's cast gives the shards
-        yield from callback.fsdp_export(stream)
-        return
-    for name, tensor in stream:
-        # The parameter holds fair_cast(master) at the current version: this cast is exact.
-        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
-
-
-def _serves(callback) -> bool:
-    """Whether the export must be cast: Fair Cast on, and not DeepSpeed (whose bf16 parameters are the copy)."""
-    return callback is not None and (callback.shadow or (callback.on_fsdp and callback.config.enabled))
-
-
 def _generate_in_place(original):
     @functools.wraps(original)
     def _generate_single_turn(self, *args, **kwargs):
@@ -247,10 +310,8 @@ def _served_export(find):
         @functools.wraps(original)
         def iterate(self, *args, **kwargs):
             callback = find(self)
-            if not _serves(callback):
-                yield from original(self, *args, **kwargs)
-                return
-            yield from _served_stream(callback, original(self, *args, **kwargs))
+            stream = original(self, *args, **kwargs)
+            yield from stream if callback is None else callback.export(stream)
 
         return iterate
 
@@ -286,6 +347,17 @@ def _load_from_checkpoint(original):
     return _load
 
 
+def _evaluate(original):
+    @functools.wraps(original)
+    def evaluate(self, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is not None:
+            callback.check_ready("evaluate()")
+        return original(self, *args, **kwargs)
+
+    return evaluate
+
+
 def _log(original):
     @functools.wraps(original)
     def log(self, logs, *args, **kwargs):
@@ -309,6 +381,7 @@ def build_patch_set() -> PatchSet:
     patches.wrap(SAVE_MODEL, _save_model)
     patches.wrap(LOAD_CHECKPOINT, _load_from_checkpoint)
     patches.wrap(LOG, _log)
+    patches.wrap(EVALUATE, _evaluate)
     return patches
 
 

@@ -11,7 +11,8 @@ A scenario is ``CONFIG:MODE[:ROLE]``:
 * MODE: ``stochastic``, ``error_feedback``, ``ema`` (stochastic with ``faircast_ema_decay=EMA_DECAY``) or ``off``
   (Fair Cast off: the negative control);
 * ROLE: ``save`` (checkpoint after step 2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``) or
-  ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded).
+  ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded) or
+  ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``).
 
 Every scenario trains 4 GRPO steps; all scenarios of one invocation share the process group (importing DeepSpeed
 and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
@@ -215,8 +216,8 @@ def run(scenario: str) -> None:
     cb = config.endswith("_cb")
     base = config.removesuffix("_vllm").removesuffix("_cb")
     save = role == "save"
-    resume = os.path.join(out_dir, f"{config}-{mode}-save", f"checkpoint-{SAVE_AT}") if role in ("resume", "nostate") else None
-    if role == "nostate":
+    resume = os.path.join(out_dir, f"{config}-{mode}-save", f"checkpoint-{SAVE_AT}") if role in ("resume", "nostate", "fresh") else None
+    if role in ("nostate", "fresh"):
         resume = strip_faircast_state(resume, os.path.join(out_dir, f"{tag}-checkpoint"))
     extra = {}
     if vllm:
@@ -231,7 +232,8 @@ def run(scenario: str) -> None:
         lr_scheduler_type="constant", warmup_steps=0,
         save_strategy="steps" if save else "no", save_steps=SAVE_AT,
         faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
-        faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0), **extra,
+        faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
+        faircast_resume_without_state=(role == "fresh"), **extra,
     )
     trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}))

@@ -10,7 +10,7 @@ A scenario is ``MODE:ROLE``:
 * ROLE: ``save`` (4 steps straight through, a full checkpoint -- model, optimizer, RNG, Fair Cast state -- after step
   2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``), ``nostate`` (resume from a copy of it without
   the per-rank Fair Cast state files), ``worldsize`` (resume from a copy whose ``faircast.json`` says it was written
-  at world size 4), ``async`` (AsyncGRPOTrainer with the stand-ins of async_stubs.py, 3 steps) or ``run`` (4 steps).
+  at world size 4), ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``), ``async`` (AsyncGRPOTrainer with the stand-ins of async_stubs.py, 3 steps) or ``run`` (4 steps).
 
 GRPO generates without vLLM (2 optimizer steps per generation batch, so the old log-probs are a separate forward).
 What is recorded, per rank, in ``OUT_DIR/<MODE>-<ROLE>.rank<R>.pt``:
@@ -176,9 +176,9 @@ def run(scenario: str) -> None:
     tag = f"{mode}-{role}"
     is_async = role == "async"
     resume = None
-    if role in ("resume", "nostate", "worldsize"):
+    if role in ("resume", "nostate", "worldsize", "fresh"):
         resume = os.path.join(out_dir, f"{mode}-save", f"checkpoint-{SAVE_AT}")
-        if role == "nostate":
+        if role in ("nostate", "fresh"):
             resume = copy_checkpoint(resume, os.path.join(out_dir, f"{tag}-checkpoint"), drop_rank_state=True)
         elif role == "worldsize":
             resume = copy_checkpoint(resume, os.path.join(out_dir, f"{tag}-checkpoint"), world_size=4)
@@ -190,6 +190,7 @@ def run(scenario: str) -> None:
         fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "reshard_after_forward": True},
         faircast=(mode != "off"), faircast_mode=("error_feedback" if mode == "error_feedback" else "stochastic"),
         faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0), faircast_audit=True,
+        faircast_resume_without_state=(role == "fresh"),
     )
     injected = {}
     if is_async:

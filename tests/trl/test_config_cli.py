@@ -38,6 +38,23 @@ def test_python_kwargs_and_defaults():
     assert type(again) is GRPOConfig and again.faircast_mode == "error_feedback"
 
 
+def test_every_option_survives_the_config():
+    """``faircast: {backend: ..., audit_sample: ...}`` is kept (issue 14.18), and so are the flat fields."""
+    from trl import GRPOConfig
+
+    mapped = GRPOConfig(output_dir="/tmp/x", use_cpu=True, report_to="none",
+                        faircast={"backend": "torch", "audit_sample": 7, "audit": True})
+    cfg = fc_trl.faircast_config(mapped)
+    assert (cfg.enabled, cfg.backend, cfg.audit_sample, cfg.audit) == (True, "torch", 7, True)
+    flat = GRPOConfig(output_dir="/tmp/x", use_cpu=True, report_to="none", faircast=True, faircast_backend="torch",
+                      faircast_audit_sample=9, faircast_resume_without_state="true")
+    assert (fc_trl.faircast_config(flat).backend, fc_trl.faircast_config(flat).audit_sample) == ("torch", 9)
+    assert flat.faircast_resume_without_state is True
+    assert fc_trl.faircast_config(pickle.loads(pickle.dumps(flat))).audit_sample == 9
+    with pytest.raises(ValueError, match="backend must be one of"):
+        GRPOConfig(output_dir="/tmp/x", use_cpu=True, report_to="none", faircast=True, faircast_backend="gpu")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -56,6 +56,7 @@ TWO_PROCESS = [
     "z2:stochastic:save", "z2:stochastic:resume",
     "z3:stochastic:save", "z3:stochastic:resume",
     "z3:error_feedback:save", "z3:error_feedback:resume", "z3:error_feedback:nostate",
+    "z3:error_feedback:fresh",
     "z3:ema:save", "z3:ema:resume",
     "z2_offload:stochastic", "z3_offload:stochastic",
     "z2:off", "z3_offload:off",
@@ -291,9 +292,18 @@ def test_error_feedback_resume_without_its_state_is_refused(two_process):
     """Negative control: without the per-rank residuals the error-feedback copy cannot continue; it fails loudly."""
     for rank in (0, 1):
         run = _load(two_process, "z3-error_feedback-nostate", rank)
-        assert run["error"] is not None and "needs this rank's Fair Cast state" in run["error"], run["error"]
+        assert run["error"] is not None and "needs the Fair Cast state" in run["error"], run["error"]
+        assert f"faircast_state_rank0000{rank}.pt, which does not exist" in run["error"]
+        assert "faircast_resume_without_state=True" in run["error"]
         assert run["steps"] == []  # refused at train begin, before any step
         assert [h["step"] for h in run["logs"]] == [1, 2]  # only the history restored from the checkpoint
+        # faircast_resume_without_state=True: the same resume goes on with fresh residuals (the ZeRO-3 partitions are
+        # recast at step 2), so from the same masters it serves another copy than the run that kept its residuals
+        fresh, straight = _load(two_process, "z3-error_feedback-fresh", rank), _load(two_process, "z3-error_feedback-save", rank)
+        assert fresh["error"] is None and [s["global_step"] for s in fresh["steps"]] == [2, 3, 4]
+        at2 = {s["global_step"]: s for s in straight["steps"]}[2]
+        assert all(torch.equal(m, at2["masters"][n]) for n, m in fresh["steps"][0]["masters"].items())
+        assert any(not torch.equal(q, at2["served"][n]) for n, q in fresh["steps"][0]["served"].items())
 
 
 # -- transformers continuous batching (generate_batch on the DeepSpeed module) -------------------------------------

@@ -189,7 +189,7 @@ def test_online_dpo_fsdp_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
 STATEFUL_SCRIPT = Path(__file__).with_name("fsdp_stateful.py")
 MODES = ["stochastic", "error_feedback", "ema"]
 SCENARIOS = [f"{mode}:{role}" for mode in MODES for role in ("save", "resume")] + [
-    "error_feedback:nostate", "error_feedback:worldsize", "off:run", "error_feedback:async", "ema:async"]
+    "error_feedback:nostate", "error_feedback:fresh", "error_feedback:worldsize", "off:run", "error_feedback:async", "ema:async"]
 
 
 @pytest.fixture(scope="module")
@@ -364,14 +364,20 @@ def test_fsdp2_error_feedback_resume_without_its_state_is_refused(stateful_runs)
     """Negative controls for the resume: without the per-rank state files, or from a checkpoint written at another
     world size, an error-feedback run refuses to start instead of restarting its residuals."""
     for res in stateful_runs["error_feedback:nostate"]:
-        assert res["error"] and "needs this rank's Fair Cast state" in res["error"], res["error"]
-        assert f"faircast_state_rank0000{res['rank']}.pt does not exist" in res["error"]
+        assert res["error"] and "needs the Fair Cast state" in res["error"], res["error"]
+        assert f"faircast_state_rank0000{res['rank']}.pt, which does not exist" in res["error"]
+        assert "faircast_resume_without_state=True" in res["error"]
         assert res["served"] == {}  # refused before any forward
     for res in stateful_runs["error_feedback:worldsize"]:
         assert res["error"] and "at world size 2" in res["error"] and "written at world size 4" in res["error"]
         assert res["served"] == {}
     for res in stateful_runs["error_feedback:resume"]:  # the same checkpoint, untouched, resumes
         assert res["error"] is None
+    # faircast_resume_without_state=True: the residuals start fresh, so the copy differs from the restored run's
+    for res, restored in zip(stateful_runs["error_feedback:fresh"], stateful_runs["error_feedback:resume"]):
+        assert res["error"] is None and res["steps"] == res["version"] == 4 and res["inconsistent"] == []
+        assert 2 in res["served"] and any(not torch.equal(t, restored["served"][2][n])
+                                          for n, t in res["served"][2].items())
 
 
 @pytest.mark.parametrize("mode", ["error_feedback", "ema"])

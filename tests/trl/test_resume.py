@@ -32,9 +32,9 @@ class ServedRecorder(TrainerCallback):
         self._record(state)
 
 
-def train(model_dir, dataset, out, mode, resume=None):
+def train(model_dir, dataset, out, mode, resume=None, **flags):
     args = grpo_args(out, max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-4, faircast=True,
-                     faircast_mode=mode, faircast_seed=99)
+                     faircast_mode=mode, faircast_seed=99, **flags)
     trainer = grpo_trainer(model_dir, dataset, args)
     recorder = ServedRecorder(trainer)
     trainer.add_callback(recorder)
@@ -71,12 +71,19 @@ def test_resume_serves_bit_identical_copies(tiny_model_dir, prompts_dataset, tmp
     assert any(not torch.equal(straight.served[4][n], straight.served[2][n]) for n in straight.served[2])
 
 
-def test_resume_without_state_restarts_error_feedback_loudly(tiny_model_dir, prompts_dataset, tmp_path, caplog):
-    """Negative control: drop the Fair Cast state from the checkpoint; the error-feedback copy then differs."""
+def test_resume_without_state_is_refused_unless_asked(tiny_model_dir, prompts_dataset, tmp_path, caplog):
+    """Issue 14.19, one rule on every backend: without the Fair Cast state, an error-feedback resume is refused;
+    ``faircast_resume_without_state=True`` restarts the residuals on purpose (and then the copy differs)."""
+    from faircast_plugins.patching import FairCastPatchError
+
     _, straight = train(tiny_model_dir, prompts_dataset, tmp_path / "a", "error_feedback")
     ckpt = tmp_path / "a" / "checkpoint-2"
     (ckpt / "faircast_state.pt").unlink()
+    with pytest.raises(FairCastPatchError, match="faircast_state.pt, which does not exist.*faircast_resume_without_state"):
+        train(tiny_model_dir, prompts_dataset, tmp_path / "b", "error_feedback", resume=str(ckpt))
     with caplog.at_level("WARNING", logger="faircast_plugins"):
-        _, resumed = train(tiny_model_dir, prompts_dataset, tmp_path / "b", "error_feedback", resume=str(ckpt))
-    assert "without faircast_state.pt" in caplog.text
+        _, resumed = train(tiny_model_dir, prompts_dataset, tmp_path / "c", "error_feedback", resume=str(ckpt),
+                           faircast_resume_without_state=True)
+    assert "starts fresh at weight version 2" in caplog.text
+    assert sorted(resumed.served) == [2, 3, 4]
     assert any(not torch.equal(resumed.served[2][n], q) for n, q in straight.served[2].items())

@@ -104,3 +104,71 @@ def test_patch_is_idempotent_and_removable():
     finally:
         fc_trl.patch()
     assert is_patched(trl.GRPOTrainer.__init__) and trl.GRPOConfig is grpo_config.GRPOConfig
+
+
+def test_fp16_is_refused_on_every_path(tiny_model_dir, prompts_dataset, tmp_path):
+    """Issue 14.17: fp16 autocast rounds the bf16 served copy again; refused without continuous batching too."""
+    args = grpo_args(tmp_path, faircast=True)
+    args.bf16, args.fp16 = False, True  # set after init: transformers refuses fp16 on a CPU-only host
+    with pytest.raises(FairCastUnsupportedError, match=r"fp16=True.*Use bf16=True"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+@pytest.mark.parametrize("optim", ["lomo", "adalomo", "galore_adamw_layerwise", "apollo_adamw_layerwise",
+                                   "schedule_free_adamw"])
+def test_optimizers_outside_step_are_refused(optim, tiny_model_dir, prompts_dataset, tmp_path):
+    """Issue 14.14: optimizers that step inside backward, or swap weights (schedule-free), never move the master."""
+    args = grpo_args(tmp_path, faircast=True)
+    args.optim = optim  # set after init: transformers checks the optional packages only when it builds them
+    with pytest.raises(FairCastUnsupportedError, match=f"optim='{optim}'"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+
+
+def test_built_optimizer_outside_step_is_refused_at_train(tiny_model_dir, prompts_dataset, tmp_path):
+    """An optimizer passed as ``optimizers=`` is checked when training starts (schedule-free: train()/eval())."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from faircast_plugins.trl.patches import check_optimizer
+
+    class ScheduleFreeLike(torch.optim.SGD):
+        def train(self):
+            pass
+
+        def eval(self):
+            pass
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=cat_reward, args=grpo_args(tmp_path, faircast=True),
+                          train_dataset=prompts_dataset, optimizers=(ScheduleFreeLike(model.parameters(), lr=1e-3), None))
+    with pytest.raises(FairCastUnsupportedError, match="ScheduleFreeLike"):
+        trainer.train()
+    check_optimizer("GRPOTrainer", torch.optim.SGD(model.parameters(), lr=1e-3))  # negative control: accepted
+
+
+def test_load_best_model_at_end_is_refused(tiny_model_dir, prompts_dataset, tmp_path):
+    """Issue 14.15: the best checkpoint is loaded outside Fair Cast (load_state_dict)."""
+    args = grpo_args(tmp_path, faircast=True)
+    args.load_best_model_at_end, args.metric_for_best_model = True, "loss"  # after init: transformers checks strategies
+    with pytest.raises(FairCastUnsupportedError, match="load_best_model_at_end"):
+        grpo_trainer(tiny_model_dir, prompts_dataset, args)
+    args.faircast, args.faircast_audit = False, True  # audit only: nothing is swapped, nothing to refuse
+    assert grpo_trainer(tiny_model_dir, prompts_dataset, args)._faircast.shadow is False
+
+
+def test_colocated_engine_must_be_bf16():
+    """Issue 14.17: a colocated vLLM engine in fp16 (a fp16 checkpoint, or vLLM's pick for fp32 on some GPUs)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from faircast_plugins.trl.patches import check_engine_dtype
+
+    def llm(dtype):
+        return SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
+
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(FairCastUnsupportedError, match="colocated vLLM engine in torch.float"):
+            check_engine_dtype("GRPOTrainer", llm(dtype))
+    check_engine_dtype("GRPOTrainer", llm(torch.bfloat16))  # negative control

@@ -25,4 +25,6 @@ def test_demo_runs_every_arm_and_reports(tmp_path):
     assert std["bias_rel"] > 0.5 > 0.2 > fc["bias_rel"]
     # sticky follows the master like stochastic rounding, with far fewer served elements changing per step
     assert abs(sticky["lag_steps_final"]) < 1 and sticky["bias_rel"] < 0.2
-    assert sticky["served_changed_frac"] < fc["served_changed_frac"] / 3
+    # (per step after the first: at step 1 both change the elements whose first Adam step crossed a threshold)
+    last = {arm: h[-1]["faircast/served_changed_frac"] for arm, h in res["history"].items()}
+    assert last["sticky"] < last["Fair Cast"] / 3, last

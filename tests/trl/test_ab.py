@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,7 +45,11 @@ def test_smoke_engine_holds_what_each_arm_says(smoke):
     does not, and the delayed fp32 engine trails by its delay."""
     out, _ = smoke
     runs = {(r["arm"], r["seed"]): r for r in json.loads((out / "results.json").read_text())["runs"]}
-    for seed in (0, 1):
+    # A seed whose groups all got the same reward has zero advantages, so no master moves and no lag is defined:
+    # check the seeds where the masters moved (the smoke warm start is weak; at least one seed learns).
+    moved = [s for s in (0, 1) if math.isfinite(runs[("standard", s)]["lag_steps"])]
+    assert moved, "no smoke seed moved its masters"
+    for seed in moved:
         assert runs[("standard", seed)]["lag_steps_max"] > 1.0
         assert abs(runs[("faircast", seed)]["lag_steps"]) < 1.0
         assert runs[("fp32-delayed@2", seed)]["lag_steps_max"] > 1.0
@@ -58,13 +63,12 @@ def test_resume_skips_finished_runs(smoke):
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
-    from transformers import BertConfig
+    from transformers import T5Config  # an encoder-decoder: GRPO needs a causal LM
 
-    BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-               intermediate_size=8).save_pretrained(tmp_path / "bert")
+    T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(20)))
     run = subprocess.run([sys.executable, "-m", "faircast_plugins.cli", "ab", "--preset", "smoke", "--out",
-                          str(tmp_path / "o"), "--model", str(tmp_path / "bert"), "--dataset", str(data)],
+                          str(tmp_path / "o"), "--model", str(tmp_path / "t5"), "--dataset", str(data)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "not a causal LM" in run.stderr

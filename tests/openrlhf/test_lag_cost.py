@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.lag_cost_checks import STEPS, assert_lag_cost_logged, assert_no_lag_cost
+
 
 class Recorder:
     def __init__(self):
@@ -14,7 +16,7 @@ class Recorder:
         self.logged.append((global_step, dict(logs_dict)))
 
 
-def _trainer_logs(policy_status, steps=30):
+def _trainer_logs(policy_status, steps=STEPS):
     """Run OpenRLHF's real ``save_logs_and_checkpoints``, as the patched (shipped) trainer classes hold it, on a stub
     trainer for ``steps`` steps (mean reward rising 0.01 a step)."""
     from openrlhf.trainer.ppo_trainer import PPOTrainer
@@ -40,11 +42,7 @@ def _trainer_logs(policy_status, steps=30):
 
 def test_trainer_logs_lag_cost_with_the_audit():
     logged = _trainer_logs(lambda step: {"faircast/version": float(step), "faircast/lag_steps": 20.0})
-    assert not any("faircast/lag_cost" in data for _, data in logged[:24])  # half the 50-step window first
-    step, last = logged[-1]
-    assert step == 30 and last["faircast/lag_cost_window"] == 50.0
-    assert last["faircast/reward_slope"] == pytest.approx(0.01)
-    assert last["faircast/lag_cost"] == pytest.approx(0.2)
+    assert_lag_cost_logged(logged, 20.0, prefix="")
 
 
 @pytest.mark.parametrize("policy_status", [
@@ -53,4 +51,4 @@ def test_trainer_logs_lag_cost_with_the_audit():
 ], ids=["off", "no_audit"])
 def test_no_lag_no_lag_cost(policy_status):
     logged = _trainer_logs(policy_status)
-    assert len(logged) == 30 and not any("faircast/lag_cost" in data for _, data in logged)
+    assert_no_lag_cost(logged)

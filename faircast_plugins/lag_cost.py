@@ -12,11 +12,15 @@ The slope of a noisy per-step reward is itself noisy: read the metric averaged o
 """
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Deque, Dict, Optional, Tuple
+from typing import Any, Deque, Dict, Optional, Tuple
 
 #: logged steps the reward slope is fitted over (also logged, as ``faircast/lag_cost_window``)
 WINDOW = 50
+#: the audit metric the lag is read from, and the one every Fair Cast run (audit on or off) logs
+LAG_KEY = "faircast/lag_steps"
+VERSION_KEY = "faircast/version"
 
 
 def slope(points) -> Optional[float]:
@@ -52,3 +56,27 @@ class LagCost:
             return {}
         return {"faircast/reward_slope": s, "faircast/lag_cost": float(lag_steps) * s,
                 "faircast/lag_cost_window": float(self.window)}
+
+    def add_to(self, metrics: Dict[str, Any], step: float, reward_key: str, prefix: str = "") -> Dict[str, Any]:
+        """Read one logged step's mean reward (``metrics[reward_key]``) and lag (``metrics[prefix + LAG_KEY]``) from
+        an adapter's metrics dict and add the lag-cost metrics to it (in place), under the lag's ``prefix``."""
+        out = self.update(step, _number(metrics.get(reward_key)), _number(metrics.get(prefix + LAG_KEY)))
+        metrics.update({prefix + key: value for key, value in out.items()})
+        return metrics
+
+
+def _number(value: Any) -> Optional[float]:
+    """A logged scalar (float, numpy or 0-d tensor) as a float; None for a missing, non-numeric or NaN value."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+def tracker_of(owner: Any, window: int = WINDOW) -> LagCost:
+    """The run's tracker, kept on the object that logs the run's metrics (a trainer, a logger): one per run."""
+    tracker = owner.__dict__.get("_faircast_lag_cost")
+    if tracker is None:
+        tracker = owner.__dict__["_faircast_lag_cost"] = LagCost(window)
+    return tracker

@@ -1,4 +1,5 @@
-"""Fair Cast inside OpenRLHF's policy actor: attach the DeepSpeed patch, report ``faircast/*`` metrics.
+"""Fair Cast inside OpenRLHF's policy actor: attach the DeepSpeed patch, report ``faircast/*`` metrics (and, in the
+trainer actor that logs them, ``faircast/lag_cost``).
 
 ``PolicyModelActor`` is a Ray actor class, and Ray ships it to the worker processes *by value*: patching
 the importable class on the driver does not reach the workers. What does reach them is the class stored
@@ -18,12 +19,17 @@ from typing import Optional
 
 from ..caster import FairCaster
 from ..config import FairCastConfig
+from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 
 logger = logging.getLogger("faircast_plugins")
 
 OPENRLHF_SPECIFIER = ">=0.11.2,<0.12"
 _ACTOR = "openrlhf.trainer.ray.ppo_actor:PolicyModelActor"
+#: the Ray trainer actors (sync and async) whose ``save_logs_and_checkpoints`` logs each step's status
+_TRAINERS = ("openrlhf.trainer.ppo_trainer:PPOTrainer", "openrlhf.trainer.ppo_trainer_async:TrainingActor")
+#: the step's mean reward over every rollout sample, as the trainer logs it
+REWARD_KEY = "rollout/reward_mean"
 
 
 def config_from_args(args) -> FairCastConfig:
@@ -116,16 +122,29 @@ def fit(self, *args, **kwargs):
     return status
 
 
-_SHIPPED = _ACTOR + ".__ray_metadata__.modified_class."
+def save_logs_and_checkpoints(self, global_step, logs_dict=None, *args, **kwargs):
+    """The trainer's logging step, with ``faircast/lag_cost`` (mean reward x the policy's ``faircast/lag_steps``)
+    added to the logged status when Fair Cast reports from the policy."""
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    if logs_dict and VERSION_KEY in logs_dict:
+        tracker_of(self).add_to(logs_dict, global_step, REWARD_KEY)
+    return BasePPOTrainer.save_logs_and_checkpoints(self, global_step, logs_dict, *args, **kwargs)
+
+
+_SHIPPED = ".__ray_metadata__.modified_class."
 POLICY_PATCHES = (
     PatchSet("OpenRLHF", "openrlhf", OPENRLHF_SPECIFIER)
-    .wrap(_SHIPPED + "init_model_from_pretrained", lambda _orig: init_model_from_pretrained)
-    .wrap(_SHIPPED + "fit", lambda _orig: fit)
+    .wrap(_ACTOR + _SHIPPED + "init_model_from_pretrained", lambda _orig: init_model_from_pretrained)
+    .wrap(_ACTOR + _SHIPPED + "fit", lambda _orig: fit)
 )
+for _trainer in _TRAINERS:
+    POLICY_PATCHES.wrap(_trainer + _SHIPPED + "save_logs_and_checkpoints", lambda _orig: save_logs_and_checkpoints)
 
 
 def patch_policy_actor() -> PatchSet:
-    """On the driver, before the actors are created: route the policy actor's init and fit through Fair Cast.
+    """On the driver, before the actors are created: route the policy actor's init and fit through Fair Cast, and
+    the trainer actor's logging through :func:`save_logs_and_checkpoints`.
 
     Idempotent; ``POLICY_PATCHES.remove()`` undoes it.
     """

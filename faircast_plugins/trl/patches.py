@@ -20,7 +20,8 @@ refuses any TRL outside :data:`SUPPORTED`.
   ``faircast.json`` (seed, version, mode) into every checkpoint and final save; under FSDP with error feedback or an
   EMA, every rank writes its own ``faircast_state_rankNNNNN.pt`` instead.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
-* ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs.
+* ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs; with ``faircast_audit`` also ``faircast/lag_cost``
+  (:mod:`faircast_plugins.lag_cost`, from TRL's logged ``reward``).
 * ``Trainer.evaluate``: refused before Fair Cast is attached to the engine (DeepSpeed, FSDP before the first
   ``train()``); in one process or DDP the policy serves the copy from construction on.
 
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from ..deepspeed import install_deepspeed_patch
+from ..lag_cost import tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from .callback import FairCastCallback, find_callback
 from .config import faircast_config
@@ -63,6 +65,8 @@ SAVE_MODEL = "transformers.trainer:Trainer.save_model"
 LOAD_CHECKPOINT = "transformers.trainer:Trainer._load_from_checkpoint"
 LOG = "transformers.trainer:Trainer.log"
 EVALUATE = "transformers.trainer:Trainer.evaluate"
+#: TRL's mean reward of a logged step, which ``faircast/lag_cost`` multiplies the lag by the slope of
+REWARD_KEY = "reward"
 
 
 class FairCastUnsupportedError(FairCastPatchError):
@@ -364,6 +368,8 @@ def _log(original):
         callback = find_callback(self)
         if callback is not None and self.model.training:
             logs.update(callback.metrics())
+            if callback.config.audit:  # the mean reward (GRPO, RLOO, AsyncGRPO log it as "reward") and the lag
+                tracker_of(callback).add_to(logs, self.state.global_step, REWARD_KEY)
         return original(self, logs, *args, **kwargs)
 
     return log

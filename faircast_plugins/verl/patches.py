@@ -1,5 +1,6 @@
-"""The verl patch set: activation in ``ActorRolloutRefWorker.init_model`` and the FSDP engine's export, step and
-checkpoint hooks. Every hook is inert for engines Fair Cast was not activated on (reference, critic, flag off)."""
+"""The verl patch set: activation in ``ActorRolloutRefWorker.init_model``, the FSDP engine's export, step and
+checkpoint hooks, and the driver's ``Tracking.log`` (``actor/faircast/lag_cost``). Every hook is inert for engines
+(and runs) Fair Cast was not activated on (reference, critic, flag off)."""
 from __future__ import annotations
 
 import contextvars
@@ -7,6 +8,7 @@ import functools
 import logging
 from typing import Optional
 
+from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
 from .config import check_supported, read_faircast
@@ -20,6 +22,10 @@ _WORKER = "verl.workers.engine_workers:ActorRolloutRefWorker"
 _IMPL = "verl.workers.engine.fsdp.transformer_impl"
 _ENGINE = f"{_IMPL}:FSDPEngine"
 _DETACH = "verl.experimental.separation.engine_workers:DetachActorWorker"
+_TRACKING = "verl.utils.tracking:Tracking"
+#: where the driver logs the actor worker's metrics (``RayPPOTrainer._update_actor`` prefixes them), and its mean reward
+ACTOR_PREFIX = "actor/"
+REWARD_KEY = "critic/score/mean"
 
 # The engine whose get_per_tensor_param is running ({"state": EngineFairCast, "cast": bool}): its export stream
 # passes through unfuse_moe_params, where the full fp32 tensors still carry the trainer's names (before MoE
@@ -135,6 +141,19 @@ def _wrap_update_actor(original):
         return output
 
     return update_actor
+
+
+def _wrap_tracking_log(original):
+    """The driver's ``Tracking.log(metrics, step)``: with Fair Cast on the actor (``actor/faircast/version`` logged),
+    add ``actor/faircast/lag_cost`` from the step's mean score and the audit's ``actor/faircast/lag_steps``."""
+
+    @functools.wraps(original)
+    def log(self, data, step, *args, **kwargs):
+        if isinstance(data, dict) and ACTOR_PREFIX + VERSION_KEY in data:
+            data = tracker_of(self).add_to(dict(data), step, REWARD_KEY, prefix=ACTOR_PREFIX)
+        return original(self, data, step, *args, **kwargs)
+
+    return log
 
 
 def _then(action):
@@ -263,6 +282,7 @@ def build_patch_set() -> PatchSet:
     patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _wrap_merged_lora_per_tensor_param)
     patches.wrap(f"{_ENGINE}.save_checkpoint", _then(_save))
     patches.wrap(f"{_ENGINE}.load_checkpoint", _then(_load))
+    patches.wrap(f"{_TRACKING}.log", _wrap_tracking_log)  # the driver's metrics: faircast/lag_cost
     # decoupled PPO (fully-async and v1 separate-async trainers): old log-probs on restored old masters
     patches.wrap(f"{_DETACH}.save_model_to_cpu", _on_actor_engine(fc_engine.snapshot))
     patches.wrap(f"{_DETACH}.restore_model_from_cpu", _on_actor_engine(fc_engine.restore))

@@ -30,3 +30,20 @@ def test_window_is_bounded_and_checked():
     assert len(lc.rewards) == 4
     with pytest.raises(ValueError):
         LagCost(window=2)
+
+
+def test_add_to_reads_a_logged_metrics_dict_under_the_lags_prefix():
+    from types import SimpleNamespace
+
+    from faircast_plugins.lag_cost import tracker_of
+
+    owner = SimpleNamespace()
+    tracker = tracker_of(owner, window=4)
+    assert tracker_of(owner) is tracker  # one per run
+    for step in range(1, 4):
+        logged = tracker.add_to({"r": 0.1 * step, "actor/faircast/lag_steps": 10.0}, step, "r", prefix="actor/")
+    assert logged["actor/faircast/lag_cost"] == pytest.approx(1.0)
+    assert "faircast/lag_cost" not in logged
+    # a NaN or missing reward is skipped; no lag (audit off, or a prefix that does not match): no cost
+    assert "actor/faircast/lag_cost" in tracker.add_to({"r": float("nan"), "actor/faircast/lag_steps": 1.0}, 4, "r", "actor/")
+    assert "faircast/lag_cost" not in tracker.add_to({"r": 0.5, "actor/faircast/lag_steps": 1.0}, 5, "r")

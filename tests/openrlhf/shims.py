@@ -2,11 +2,13 @@
 
 * ``flash_attn`` is an sdist that cannot build without CUDA, yet ``openrlhf.models.ring_attn_utils``
   imports it at module level (only ring attention uses it). Stubs raise if anything actually calls them.
+* ``datasets`` (HF) is an OpenRLHF dependency this venv does not install; ``openrlhf.trainer.ppo_trainer`` imports
+  it at module level (through ``openrlhf.datasets``), and no test loads a dataset.
 * ``vllm`` (the CUDA distribution OpenRLHF names) is not installed here; ``openrlhf.trainer.ray`` imports
   a few names from it at module level. Rollouts are not run in these tests, so stubs that raise on use
   are enough; a test that would need real vLLM must skip with a reason instead.
 
-Both are installed only when the real package is missing. Every stub module gets a ``__spec__``:
+All are installed only when the real package is missing. Every stub module gets a ``__spec__``:
 transformers' availability checks call ``importlib.util.find_spec`` and raise on a module without one.
 """
 from __future__ import annotations
@@ -54,6 +56,8 @@ def install() -> None:
             "flash_attn.utils": ((), {}),
             "flash_attn.utils.distributed": (("all_gather",), {}),
         })
+    if importlib.util.find_spec("datasets") is None:  # openrlhf.trainer.ppo_trainer imports it via openrlhf.datasets
+        _install({"datasets": (("Dataset", "interleave_datasets", "load_dataset", "load_from_disk"), {})})
     if importlib.util.find_spec("vllm") is None:
         _install({
             "vllm": (("LLM", "SamplingParams"), {"__version__": "0.29.0"}),

@@ -269,3 +269,36 @@ def test_audit_only_casts_only_the_sample(tiny_model_dir, prompts_dataset, tmp_p
     got, want = callback.metrics(), reference.metrics()
     assert got.keys() == want.keys() and "faircast/lag_steps" in got
     assert all(abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])) for k in want), (got, want)
+
+
+def _log_steps(trainer, steps: int, lr: float = 1e-6):
+    """Log ``steps`` optimizer steps through the patched ``Trainer.log``, without training: each moves every weight by
+    ``lr`` (far below half a bf16 step), then logs TRL's mean reward, rising 0.01 a step."""
+    callback, params = getattr(trainer, "_faircast", None), named_params(trainer)
+    if callback is not None:
+        callback.on_train_begin(trainer.args, trainer.state, trainer.control)
+    trainer.model.train()
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(lr)
+        if callback is not None:
+            callback.on_optimizer_step(trainer.args, trainer.state, trainer.control)
+        trainer.state.global_step = step
+        trainer.log({"reward": 0.2 + 0.01 * step})
+    return trainer.state.log_history
+
+
+def test_audit_logs_lag_cost_of_the_standard_export(tiny_model_dir, prompts_dataset, tmp_path):
+    """Issue 12.8: with the audit on and the flag off, the logs carry faircast/lag_cost = lag x reward slope, once half
+    the window (25 of 50 steps) of rewards was logged; without the audit (flag on or off) there is none."""
+    history = _log_steps(grpo_trainer(tiny_model_dir, prompts_dataset, grpo_args(tmp_path / "a", faircast_audit=True)), 30)
+    assert not any("faircast/lag_cost" in h for h in history[:24])
+    last = history[-1]
+    assert last["faircast/lag_cost_window"] == 50.0
+    assert last["faircast/reward_slope"] == pytest.approx(0.01)
+    assert last["faircast/lag_steps"] > 1.0  # the round-to-nearest copy trails these small updates
+    assert last["faircast/lag_cost"] == pytest.approx(last["faircast/lag_steps"] * 0.01)
+    for name, flags in {"off": {}, "faircast_no_audit": {"faircast": True}}.items():
+        history = _log_steps(grpo_trainer(tiny_model_dir, prompts_dataset, grpo_args(tmp_path / name, **flags)), 30)
+        assert len(history) == 30 and not any("faircast/lag_cost" in h for h in history), name

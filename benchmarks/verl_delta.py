@@ -56,6 +56,7 @@ def summarize(result: dict, steady: int) -> dict:
     return {
         "changed_frac": frac,
         "steady_changed_frac": sum(frac[-steady:]) / steady,
+        "peak_changed_frac": max(frac),  # the largest delta of the run (round-to-nearest's come in bursts)
         "total_elements": result["total"],
         "lag_steps": sum(lags) / len(lags) if lags else None,  # the audit's lag, averaged like the changed fraction
         "bias_rel_cumulative": last.get("faircast/bias_rel_cumulative"),
@@ -65,8 +66,8 @@ def summarize(result: dict, steady: int) -> dict:
 
 
 def table(rows: list) -> str:
-    head = "| strategy | ranks | mode | changed per version (steady) | first and last versions | vs nearest | lag, steps | bias_rel_cum |"
-    lines = [head, "| " + " | ".join("---" for _ in range(8)) + " |"]
+    head = "| strategy | ranks | mode | changed per version (steady) | first and last versions | peak | vs nearest | lag, steps | bias_rel_cum |"
+    lines = [head, "| " + " | ".join("---" for _ in range(9)) + " |"]
     base = {(r["strategy"], r["world"]): r["steady_changed_frac"] for r in rows if r["mode"] == "nearest"}
     for r in rows:
         ref = base.get((r["strategy"], r["world"]))
@@ -75,7 +76,7 @@ def table(rows: list) -> str:
         per = " ".join(f"{f:.2%}" for f in (fr if len(fr) <= 6 else fr[:3] + fr[-3:]))
         fmt = (lambda v, spec: "-" if v is None else format(v, spec))
         lines.append(f"| {r['strategy']} | {r['world']} | {r['mode']} | {r['steady_changed_frac']:.2%} | {per} | "
-                     f"{ratio} | {fmt(r['lag_steps'], '.2f')} | {fmt(r['bias_rel_cumulative'], '.3f')} |")
+                     f"{r['peak_changed_frac']:.2%} | {ratio} | {fmt(r['lag_steps'], '.2f')} | {fmt(r['bias_rel_cumulative'], '.3f')} |")
     return "\n".join(lines)
 
 

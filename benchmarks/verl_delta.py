@@ -66,8 +66,9 @@ def summarize(result: dict, steady: int) -> dict:
 
 
 def table(rows: list) -> str:
-    head = "| strategy | ranks | mode | changed per version (steady) | first and last versions | peak | vs nearest | lag, steps | bias_rel_cum |"
-    lines = [head, "| " + " | ".join("---" for _ in range(9)) + " |"]
+    cols = ["strategy", "ranks", "mode", "changed per version (steady)", "first and last versions", "peak",
+            "vs nearest", "lag, steps", "bias_rel_cum"]
+    lines = ["| " + " | ".join(cols) + " |", "| " + " | ".join("---" for _ in cols) + " |"]
     base = {(r["strategy"], r["world"]): r["steady_changed_frac"] for r in rows if r["mode"] == "nearest"}
     for r in rows:
         ref = base.get((r["strategy"], r["world"]))
@@ -76,19 +77,21 @@ def table(rows: list) -> str:
         per = " ".join(f"{f:.2%}" for f in (fr if len(fr) <= 6 else fr[:3] + fr[-3:]))
         fmt = (lambda v, spec: "-" if v is None else format(v, spec))
         lines.append(f"| {r['strategy']} | {r['world']} | {r['mode']} | {r['steady_changed_frac']:.2%} | {per} | "
-                     f"{r['peak_changed_frac']:.2%} | {ratio} | {fmt(r['lag_steps'], '.2f')} | {fmt(r['bias_rel_cumulative'], '.3f')} |")
+                     f"{r['peak_changed_frac']:.2%} | {ratio} | {fmt(r['lag_steps'], '.2f')} | "
+                     f"{fmt(r['bias_rel_cumulative'], '.3f')} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="1 rank, FSDP2, 3 modes, 3 versions (about a minute)")
+    parser.add_argument("--smoke", action="store_true", help="1 rank, FSDP2, 3 modes, 3 versions (under a minute on free cores)")
     parser.add_argument("--worlds", type=int, nargs="+")
     parser.add_argument("--strategies", nargs="+", choices=["fsdp2", "fsdp"])
     parser.add_argument("--modes", nargs="+", choices=list(MODES))
     parser.add_argument("--versions", type=int, help="weight versions per run")
     parser.add_argument("--steady", type=int, help="average the changed fraction over the last N versions")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="checkpoint dtype (bfloat16: masters on the grid)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
+                        help="checkpoint dtype (bfloat16: masters on the grid)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--model-dir", help="a tiny model already built (tests/verl/tiny_model.py) in --dtype")
     parser.add_argument("--out-dir", help="where the ranks write their logs and results (default: a temp dir)")

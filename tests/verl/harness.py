@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import os
 import sys
 
@@ -159,6 +160,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
         from verl.experimental.separation.engine_workers import DetachActorWorker as worker_cls
     worker = worker_cls(cfg.actor_rollout_ref, role=case.get("role", "actor_rollout"))
     init_status = worker.init_model()
+    if case.get("delta_versions"):
+        return delta_versions(worker, case, opts, world)
     engine = worker.actor.engine
     if case.get("export_only"):
         # Negative control for the trainer half: Fair Cast on for the export only; FSDP keeps its stock cast.
@@ -265,6 +268,43 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     result["seed"] = state.caster.config.seed if state is not None else None
 
     return result
+
+
+def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
+    """verl's delta_sharded source over many weight versions: the seed export and ``prime_delta_snapshots``, then per
+    version one optimizer step (``update_actor``) and ``get_per_tensor_param_delta_shard``. Returns, per version,
+    the elements the delta engine would send (summed over every rank), the element total, and the step's
+    ``faircast/*`` metrics (the audit, reduced over every rank)."""
+    from verl.utils import tensordict_utils as tu
+
+    engine = worker.actor.engine
+    seed, _ = engine.get_per_tensor_param()
+    for _ in seed:  # the full export the rollout is seeded with (consumed, as the delta engine streams it)
+        pass
+    engine.prime_delta_snapshots()
+    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
+    mb = opts["batch"] * world  # one mini-batch: one optimizer step, one weight version per update_actor
+    changed, metrics = [], []
+    total = 0
+    for _ in range(case["delta_versions"]):
+        td = data.clone()
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        out = worker.update_actor(td)
+        step_metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
+        metrics.append({k: float(v[-1] if isinstance(v, list) else v) for k, v in step_metrics.items()
+                        if k.startswith("faircast/")})
+        entries, _ = engine.get_per_tensor_param_delta_shard()
+        n, total = 0, 0
+        for slots, _dtype, _counts, idx, _val, _group in entries:
+            n += idx.numel()
+            total += sum(math.prod(shape) for _name, shape in slots)
+        changed.append(n)
+    sent = torch.tensor(changed, dtype=torch.float64)
+    torch.distributed.all_reduce(sent)  # each rank sends the changes of its own shards
+    return {"changed": sent.tolist(), "total": total, "metrics": metrics,
+            "lr": engine.optimizer.param_groups[0]["lr"]}
 
 
 def run(opts: dict) -> None:

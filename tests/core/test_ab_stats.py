@@ -53,7 +53,8 @@ def test_default_pairs_put_the_aa_control_first():
 
 
 @pytest.mark.parametrize("name", ["standard", "faircast", "faircast-ef", "fp32-served", "fp32-delayed@20",
-                                  "standard@lr=3e-6", "faircast@lr=1e-7", "export-only", "loss-only", "faircast-aa"])
+                                  "standard@lr=3e-6", "faircast@lr=1e-7", "export-only", "loss-only", "faircast-aa",
+                                  "sticky"])
 def test_arms_parse(name):
     assert parse_arm(name).name == name
 

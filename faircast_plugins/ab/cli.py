@@ -128,8 +128,13 @@ def _num(v):
         return v
 
 
+def _step_key(rows: List[dict], step_key: Optional[str]) -> Optional[str]:
+    """The step column: the one asked for, else the first of STEP_KEYS that the rows have."""
+    return step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+
+
 def _points(rows: List[dict], metric: str, step_key: Optional[str], path: str) -> List[Tuple[float, float]]:
-    key = step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+    key = _step_key(rows, step_key)
     if key is None:
         raise SystemExit(f"faircast ab-stats: {path} has no step column ({', '.join(STEP_KEYS)}); pass --step-key")
     pts = [(float(r[key]), float(r[metric])) for r in rows
@@ -152,7 +157,7 @@ def run_ab_stats(args) -> int:
             raise SystemExit(f"faircast ab-stats: --run takes ARM:SEED:FILE, got {item!r}") from None
         rows = read_metrics(path)
         finals.append((arm, seed, stats.final_value(_points(rows, args.metric, args.step_key, path), args.tail)))
-        lag = [p for p in _lag_points(rows, args.step_key)]
+        lag = _lag_points(rows, args.step_key)
         if lag:
             lags.append((arm, seed, stats.final_value(lag, args.tail)))
         cost = live_lag_cost(_reward_lag_rows(rows, args.step_key, args.reward_key))
@@ -186,13 +191,13 @@ def run_ab_stats(args) -> int:
 
 
 def _reward_lag_rows(rows, step_key, reward_key):
-    key = step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+    key = _step_key(rows, step_key)
     num = (lambda v: float(v) if isinstance(v, (int, float)) else None)
     return [(float(r[key]), num(r.get(reward_key)), num(r.get("faircast/lag_steps")))
             for r in rows if key and r.get(key) is not None]
 
 
 def _lag_points(rows, step_key):
-    key = step_key or next((k for k in STEP_KEYS if any(k in r for r in rows)), None)
+    key = _step_key(rows, step_key)
     return [(float(r[key]), float(r["faircast/lag_steps"])) for r in rows
             if key and r.get(key) is not None and isinstance(r.get("faircast/lag_steps"), (int, float))]

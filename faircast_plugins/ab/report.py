@@ -7,7 +7,7 @@ import math
 import os
 from typing import List, Optional, Sequence
 
-from ..lag_cost import WINDOW, LagCost
+from ..lag_cost import WINDOW, LagCost, slope
 from . import stats
 from .protocol import METRICS
 
@@ -40,7 +40,8 @@ def summarize_run(run: dict) -> dict:
     live = live_lag_cost([(s["step"], s.get("reward"), s.get("faircast/lag_steps")) for s in steps])
     out["lag_cost_live"] = _mean([v for _, v in _tail(live)]) if live else float("nan")
     half = evals[len(evals) // 2:]  # learning slope of the served copy over the second half of the run
-    out["slope_per_step"] = _slope([(e["step"], e["served_expected"]) for e in half])
+    fitted = slope([(e["step"], e["served_expected"]) for e in half])
+    out["slope_per_step"] = float("nan") if fitted is None else fitted
     return out
 
 
@@ -52,14 +53,6 @@ def live_lag_cost(rows) -> list:
         if m:
             out.append((step, m["faircast/lag_cost"]))
     return out
-
-
-def _slope(pts) -> float:
-    if len(pts) < 2:
-        return float("nan")
-    mx, my = _mean([p[0] for p in pts]), _mean([p[1] for p in pts])
-    den = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / den if den else float("nan")
 
 
 def load_runs(out: str) -> List[dict]:

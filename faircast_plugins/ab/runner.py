@@ -112,11 +112,11 @@ class Grid:
         with open(base + ".spec.json", "w") as f:
             json.dump(spec, f)
         t0 = time.time()
-        rc = self._attempt(base)
+        rc = self._attempt(base, spec["threads"])
         if rc != 0:  # one retry: parallel runs on one host can lose a rendezvous-port race
             os.replace(base + ".log", base + ".failed.log")
             self._say(f"{name} failed (exit {rc}; log kept in {base}.failed.log); retrying once")
-            rc = self._attempt(base)
+            rc = self._attempt(base, spec["threads"])
         with self.lock:
             self.done += 1
             elapsed = time.time() - self.start
@@ -127,9 +127,8 @@ class Grid:
             self.log(f"[{self.done}/{self.total}] {name} finished in {time.time() - t0:.0f} s; "
                      f"elapsed {elapsed / 60:.1f} min, about {eta / 60:.1f} min left")
 
-    def _attempt(self, base: str) -> int:
-        with open(base + ".spec.json") as f:
-            threads = str(json.load(f)["threads"])
+    def _attempt(self, base: str, threads: int) -> int:
+        threads = str(threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # the engine's own rendezvous
         slot = self.slots.get()

@@ -154,6 +154,7 @@ class PatchSet:
     _applied: list[_Applied] = field(default_factory=list)
     version: str | None = None
     verified: bool = True
+    _applying: bool = False
 
     def wrap(self, target: str, factory: Callable[[Any], Any]) -> "PatchSet":
         """Register a patch: ``factory(original)`` returns the replacement for ``target``."""
@@ -204,11 +205,14 @@ class PatchSet:
         )
 
     def apply(self, *, details: str = "") -> "PatchSet":
-        """Check everything, then install every wrapper. Idempotent."""
-        if self.active:
+        """Check everything, then install every wrapper. Idempotent, and a no-op when called again while it runs:
+        :meth:`check` imports the targets' modules, whose post-import hooks (the verl plugin's) may call it, and
+        that nested call must neither wrap the targets a second time nor be undone by this one."""
+        if self.active or self._applying:
             return self
-        self.check()
+        self._applying = True
         try:
+            self.check()
             for target, factory in self._wanted:
                 owner, attr, original = resolve(target)
                 previous = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else original
@@ -219,6 +223,8 @@ class PatchSet:
         except BaseException:
             self.remove()
             raise
+        finally:
+            self._applying = False
         if not self.verified:
             details = f"UNVERIFIED {self.distribution} {self.version} (verified: {self.specifier})" + (
                 f"; {details}" if details else "")

@@ -80,7 +80,11 @@ def _driver_checked(init_model):
     step (the driver binds worker-group methods from its own, patched, class)."""
     from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, get_predefined_dispatch_fn
 
-    attrs = getattr(init_model, MAGIC_ATTR, None)
+    attrs = getattr(init_model, MAGIC_ATTR, None)  # functools.wraps copied it from the original
+    mode = attrs.get("dispatch_mode") if isinstance(attrs, dict) else None
+    if isinstance(mode, dict) and mode.get("collect_fn") is check_workers_activated:
+        raise FairCastPatchError("ActorRolloutRefWorker.init_model is already wrapped by Fair Cast (patched twice); "
+                                 "apply the verl patches only through faircast_plugins.verl.patches.patch()")
     if not isinstance(attrs, dict) or attrs.get("dispatch_mode") != Dispatch.ONE_TO_ALL:
         raise FairCastPatchError(f"ActorRolloutRefWorker.init_model is not registered with Dispatch.ONE_TO_ALL "
                                  f"({attrs!r}): the driver-side activation check cannot be attached")

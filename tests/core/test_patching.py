@@ -83,3 +83,39 @@ def test_staticmethod_descriptor_is_kept_and_module_functions_patch():
         assert Target.static() == "static" and mod.fn() == 1
     finally:
         del sys.modules["fc_fake_mod"]
+
+
+def test_apply_called_again_by_an_import_hook_while_it_runs_patches_once(monkeypatch):
+    """``apply`` imports the targets' modules; a post-import hook there (the verl plugin's) calls ``apply`` again.
+    Each target must be wrapped once, and the set stay applied."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    ps = PatchSet("pytest-as-framework", "pytest", ">=1")
+
+    class HookedLoader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            module.fn = lambda: 1
+            ps.apply()  # what the hook does right after the module ran
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_loader(name, HookedLoader()) if name == "fc_hooked_mod" else None
+
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "fc_hooked_mod", raising=False)
+    ps.wrap(f"{__name__}:Target.method", lambda orig: lambda self: "patched+" + orig(self))
+    ps.wrap("fc_hooked_mod:fn", lambda orig: lambda: orig() + 1)
+    try:
+        ps.apply()
+        assert ps.active and Target().method() == "patched+original" and sys.modules["fc_hooked_mod"].fn() == 2
+        ps.apply()  # idempotent
+        assert Target().method() == "patched+original"
+    finally:
+        ps.remove()
+        sys.modules.pop("fc_hooked_mod", None)
+    assert Target().method() == "original"

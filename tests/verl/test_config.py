@@ -183,6 +183,23 @@ def test_plugin_disabled_by_verl_policy_patches_nothing():
     assert "UNPATCHED" in proc.stdout and "Fair Cast ACTIVE" not in proc.stderr
 
 
+def test_explicit_patch_before_verls_worker_module_is_imported_patches_once():
+    """``patch()`` in a fresh process, before verl's worker module is imported: importing it fires the plugin's
+    post-import hook inside ``patch()``; every symbol must end up wrapped once, and ``patch()`` again is a no-op."""
+    code = (
+        "import faircast_plugins.verl.patches as p; p.patch(); p.patch()\n"
+        "import verl.workers.engine_workers\n"
+        "from faircast_plugins.patching import is_patched, resolve\n"
+        "values = [resolve(t)[2] for t in p.PATCHES.targets]\n"
+        "print('UNPATCHED', sum(not is_patched(v) for v in values))\n"
+        "print('TWICE', sum(is_patched(getattr(v, '__wrapped__', None)) for v in values))\n"
+    )
+    proc = _run(["-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UNPATCHED 0" in proc.stdout and "TWICE 0" in proc.stdout, proc.stdout
+    assert proc.stderr.count("Fair Cast ACTIVE for verl") == 1
+
+
 def test_unsupported_verl_version_is_refused_loudly():
     """Outside the supported range nothing is patched, an ERROR names the installed verl, and a worker whose
     config asks for Fair Cast refuses to start."""

@@ -123,6 +123,26 @@ def test_driver_refuses_when_the_group_config_asks_and_no_worker_answers():
     assert _bound_init_model([None, None])() == [None, None]  # control: nothing asked for Fair Cast in this group
 
 
+def test_driver_check_needs_verls_one_to_all_dispatch():
+    """The collect step is attached to ``init_model``'s ONE_TO_ALL registration; any other registration (or a
+    second Fair Cast wrap) is refused at patch time, not left to misbehave in the driver."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
+
+    from faircast_plugins.patching import FairCastPatchError
+    from faircast_plugins.verl.patches import _wrap_init_model, check_workers_activated
+
+    def init_model(self):
+        return None
+
+    wrapped = _wrap_init_model(register(dispatch_mode=Dispatch.ONE_TO_ALL)(init_model))  # control: verl's own
+    assert getattr(wrapped, MAGIC_ATTR)["dispatch_mode"]["collect_fn"] is check_workers_activated
+    for other in (register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)(init_model), init_model):
+        with pytest.raises(FairCastPatchError, match="not registered with Dispatch.ONE_TO_ALL"):
+            _wrap_init_model(other)
+    with pytest.raises(FairCastPatchError, match="already wrapped by Fair Cast"):
+        _wrap_init_model(wrapped)
+
+
 # -- 3. rollout.quantization, 6. merged LoRA ---------------------------------------------------------------------
 
 

@@ -14,10 +14,11 @@ aligned to the *global* index, so any offset works), one block per parallel iter
    ``t`` are stored at ``noise[4t : 4t+4]``; read as little-endian uint16 that buffer is exactly the per-element
    noise in element order (element ``8t + lane`` uses half ``lane & 1`` of word ``lane >> 1``). The buffer stays
    in L1.
-2. The rounding of the step's elements. If none has ``|u| > 0x7F7F0000`` (true for any real weight), the
-   sign-magnitude rule equals the two's-complement ``(u + noise) >> 16`` (no carry can reach the sign bit or
-   pass bf16 max), which vectorizes to a few instructions per 8 elements. Otherwise the full branchless rule
-   (saturation, inf, quiet NaN) runs for that step.
+2. The rounding of the step's elements, in chunks of 32 (``add_shift_chunk``, written as LLVM vector IR): if no
+   element of the chunk has ``|u| > 0x7F7F0000`` (true for any real weight), the sign-magnitude rule equals the
+   two's-complement ``(u + noise) >> 16`` (no carry can reach the sign bit or pass bf16 max): one load of x, one
+   range test, a few instructions per 16 elements. Otherwise the full branchless rule (saturation, inf, quiet NaN)
+   runs for that chunk.
 
 Alternating the two in steps of 512 elements lets the core overlap Philox's arithmetic with the rounding's memory
 traffic; a whole-block Philox pass followed by a whole-block rounding pass cost the sum of the two.
@@ -35,7 +36,9 @@ from typing import Sequence
 
 try:
     import numba
-    from numba import njit, prange
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.core.extending import intrinsic
 except ImportError as exc:  # pragma: no cover - exercised only where numba is absent
     raise ImportError(
         "the 'cpu' Fair Cast backend needs numba (a dependency of faircast-plugins): pip install 'numba>=0.60' "
@@ -131,6 +134,60 @@ def _philox_block(noise, g_lo, g_hi, m, ks):
         _store_words(noise, t, c0, c1, c2, c3)
 
 
+# ---------------------------------------------------------------------------------------------- vector chunk
+# numba's loop vectorizer gives up when the range check and the add-and-shift share a loop (a data-dependent branch
+# per chunk), and two whole-step loops read x twice. So this chunk is written as LLVM vector IR: LLVM lowers it for
+# the machine it runs on (AVX2, AVX-512, NEON), without fast-math flags or target-specific intrinsics. It lives in
+# this file because numba's disk cache of a kernel is invalidated by changes to the kernel's own file only.
+
+CHUNK = 32  # elements per call of add_shift_chunk
+
+_I32 = ir.IntType(32)
+_I16 = ir.IntType(16)
+_V32 = ir.VectorType(_I32, CHUNK)
+_V16 = ir.VectorType(_I16, CHUNK)
+
+
+def _splat(value: int) -> ir.Constant:
+    return ir.Constant(_V32, [value] * CHUNK)
+
+
+@intrinsic
+def add_shift_chunk(typingctx, out, xu, noise, j):
+    """``out[j:j+32] = (xu[j:j+32] + noise[j:j+32]) >> 16`` and return False, if every ``|xu| <= 0x7F7F0000``;
+    otherwise store nothing and return True (the caller runs the full rule of ROUNDING.md §4 on the chunk).
+
+    ``out`` is uint16, ``xu`` uint32 (the fp32 bits), ``noise`` uint16, all 1-D and C-contiguous with at least
+    ``j + 32`` elements (not checked). Under the range condition the sign-magnitude rule of the contract equals this
+    two's-complement add: no carry reaches the sign bit or passes the largest finite bf16.
+    """
+    for arg, dtype in ((out, types.uint16), (xu, types.uint32), (noise, types.uint16)):
+        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
+            return None
+    if not isinstance(j, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        out_a, xu_a, noise_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
+        j = args[3]
+
+        def chunk_ptr(array, vector_type):
+            return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
+
+        x = builder.load(chunk_ptr(xu_a, _V32), align=4)
+        magnitude = builder.and_(x, _splat(int(_MAG)))
+        outside = builder.icmp_unsigned(">", magnitude, _splat(int(_FAST_LIMIT)))
+        any_outside = builder.icmp_unsigned("!=", builder.bitcast(outside, ir.IntType(CHUNK)),
+                                            ir.Constant(ir.IntType(CHUNK), 0))
+        with builder.if_then(builder.not_(any_outside), likely=True):
+            noise16 = builder.load(chunk_ptr(noise_a, _V16), align=2)
+            total = builder.add(x, builder.zext(noise16, _V32))
+            builder.store(builder.trunc(builder.lshr(total, _splat(16)), _V16), chunk_ptr(out_a, _V16), align=2)
+        return any_outside
+
+    return types.boolean(out, xu, noise, j), codegen
+
+
 # ---------------------------------------------------------------------------------------------- rounding rules
 
 
@@ -163,15 +220,17 @@ def _nearest_bits(u):
 
 @njit(inline="always")
 def _round_block(out, xu, noise):
-    biggest = _ZERO32
-    for j in range(xu.size):
-        biggest = max(biggest, _U32(xu[j] & _MAG))
-    if biggest <= _FAST_LIMIT:  # no NaN, inf or near-max value: the two's-complement add is exact
-        for j in range(xu.size):
-            out[j] = np.uint16(_U32(xu[j] + noise[j]) >> _U16)
-    else:
-        for j in range(xu.size):
-            out[j] = np.uint16(_stochastic_bits(xu[j], noise[j]))
+    """The stochastic rule for ``out[j] <- (xu[j], noise[j])``: chunks of ``CHUNK`` elements take the vector
+    add-and-shift when none is near bf16 max, inf or NaN (true for any real weight), else the full rule."""
+    n = xu.size
+    j = 0
+    while j + CHUNK <= n:
+        if add_shift_chunk(out, xu, noise, j):
+            for k in range(j, j + CHUNK):
+                out[k] = np.uint16(_stochastic_bits(xu[k], noise[k]))
+        j += CHUNK
+    for k in range(j, n):
+        out[k] = np.uint16(_stochastic_bits(xu[k], noise[k]))
 
 
 # ---------------------------------------------------------------------------------------------- kernels

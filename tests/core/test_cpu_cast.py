@@ -240,6 +240,24 @@ def test_fast_and_full_paths_agree_per_block():
         assert_same(cpu(x, offset=offset), ref(x, offset=offset))
 
 
+def test_one_special_sends_only_its_chunk_down_the_full_path():
+    # the rounding pass takes the vector add-and-shift per chunk of CHUNK elements unless one element is near bf16
+    # max, inf or NaN: put such a value at every lane of a chunk in turn, next to chunks of ordinary weights
+    chunk = cpu_cast.CHUNK
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3 * chunk * chunk + 5, generator=g) * 0.02
+    # (u + noise) >> 16 would serve these as +inf, +inf and -inf (0x7F80/0x7F81, 0xFF80/0xFF81); the contract serves
+    # a quiet NaN, the largest finite bf16 and a quiet negative NaN
+    specials, served = [0x7F800001, 0x7F7FFFFF, 0xFF800001], [0x7FC0, 0x7F7F, 0xFFC0 - 0x10000]
+    where = [3 * chunk * lane + lane for lane in range(chunk)]
+    for k, i in enumerate(where):
+        x[i] = from_bits([specials[k % 3]])[0]
+    for offset in (0, 3, 2**32 - 1):
+        got = cpu(x, offset=offset)
+        assert_same(got, ref(x, offset=offset))
+        assert bits(got)[where].tolist() == [served[k % 3] for k in range(chunk)]
+
+
 @pytest.mark.parametrize("cuts", [(1,), (7,), (8,), (4999,), (1, 2048, 2049, 10006)])
 def test_shard_invariance(cuts):
     x = mixed(2000, seed=9)[:12000]

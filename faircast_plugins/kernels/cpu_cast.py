@@ -31,6 +31,7 @@ reentrant.
 """
 from __future__ import annotations
 
+import platform
 import threading
 from typing import Sequence
 
@@ -50,9 +51,9 @@ import torch
 
 __all__ = ["cast_many", "BLOCK_GROUPS"]
 
-# Philox groups per parallel block: 2,048 elements, so x (8 KB), the noise (4 KB) and out (4 KB) stay in L1.
+# Philox groups per parallel block: 8,192 elements (x 32 KB, noise 16 KB, out 16 KB), one work item per thread.
 # A power of two, so an aligned block never straddles a 2**32 boundary of the group counter.
-BLOCK_GROUPS = 256
+BLOCK_GROUPS = 1024
 assert BLOCK_GROUPS & (BLOCK_GROUPS - 1) == 0
 # Inside a block, Philox (pure arithmetic) and the rounding pass (memory traffic) alternate every 64 groups (512
 # elements): close enough for the out-of-order core and the prefetchers to overlap one with the other. One Philox
@@ -143,6 +144,7 @@ def _philox_block(noise, g_lo, g_hi, m, ks):
 CHUNK = 32  # elements per call of add_shift_chunk
 
 _I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
 _I16 = ir.IntType(16)
 _V32 = ir.VectorType(_I32, CHUNK)
 _V16 = ir.VectorType(_I16, CHUNK)
@@ -153,23 +155,25 @@ def _splat(value: int) -> ir.Constant:
 
 
 @intrinsic
-def add_shift_chunk(typingctx, out, xu, noise, j):
+def add_shift_chunk(typingctx, out, xu, noise, j, streaming):
     """``out[j:j+32] = (xu[j:j+32] + noise[j:j+32]) >> 16`` and return False, if every ``|xu| <= 0x7F7F0000``;
     otherwise store nothing and return True (the caller runs the full rule of ROUNDING.md §4 on the chunk).
 
     ``out`` is uint16, ``xu`` uint32 (the fp32 bits), ``noise`` uint16, all 1-D and C-contiguous with at least
     ``j + 32`` elements (not checked). Under the range condition the sign-magnitude rule of the contract equals this
-    two's-complement add: no carry reaches the sign bit or passes the largest finite bf16.
+    two's-complement add: no carry reaches the sign bit or passes the largest finite bf16. With ``streaming`` true
+    and ``out + 2j`` on a 64-byte boundary the store is non-temporal (no read of the destination line, no cache
+    pollution); the kernel then ends each block with :func:`store_fence`.
     """
     for arg, dtype in ((out, types.uint16), (xu, types.uint32), (noise, types.uint16)):
         if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
             return None
-    if not isinstance(j, types.Integer):
+    if not (isinstance(j, types.Integer) and isinstance(streaming, types.Boolean)):
         return None
 
     def codegen(context, builder, sig, args):
         out_a, xu_a, noise_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
-        j = args[3]
+        j, streaming = args[3], args[4]
 
         def chunk_ptr(array, vector_type):
             return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
@@ -182,10 +186,39 @@ def add_shift_chunk(typingctx, out, xu, noise, j):
         with builder.if_then(builder.not_(any_outside), likely=True):
             noise16 = builder.load(chunk_ptr(noise_a, _V16), align=2)
             total = builder.add(x, builder.zext(noise16, _V32))
-            builder.store(builder.trunc(builder.lshr(total, _splat(16)), _V16), chunk_ptr(out_a, _V16), align=2)
+            value = builder.trunc(builder.lshr(total, _splat(16)), _V16)
+            target = chunk_ptr(out_a, _V16)
+            address = builder.ptrtoint(target, _I64)
+            on_line = builder.icmp_unsigned("==", builder.and_(address, ir.Constant(_I64, 63)), ir.Constant(_I64, 0))
+            with builder.if_else(builder.and_(streaming, on_line)) as (stream, plain):
+                with stream:
+                    store = builder.store(value, target, align=64)
+                    store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+                with plain:
+                    builder.store(value, target, align=2)
         return any_outside
 
-    return types.boolean(out, xu, noise, j), codegen
+    return types.boolean(out, xu, noise, j, streaming), codegen
+
+
+# x86 orders non-temporal stores only with SFENCE/MFENCE: LLVM lowers a seq_cst fence to a LOCK-prefixed add there,
+# which does not order them (the Linux kernel's mb() uses MFENCE for that reason). Other targets take the fence.
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def store_fence(typingctx):
+    """Make this thread's non-temporal stores globally visible before its later stores (SFENCE on x86)."""
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            sfence = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(sfence, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 # ---------------------------------------------------------------------------------------------- rounding rules
@@ -219,13 +252,13 @@ def _nearest_bits(u):
 
 
 @njit(inline="always")
-def _round_block(out, xu, noise):
+def _round_block(out, xu, noise, streaming):
     """The stochastic rule for ``out[j] <- (xu[j], noise[j])``: chunks of ``CHUNK`` elements take the vector
     add-and-shift when none is near bf16 max, inf or NaN (true for any real weight), else the full rule."""
     n = xu.size
     j = 0
     while j + CHUNK <= n:
-        if add_shift_chunk(out, xu, noise, j):
+        if add_shift_chunk(out, xu, noise, j, streaming):
             for k in range(j, j + CHUNK):
                 out[k] = np.uint16(_stochastic_bits(xu[k], noise[k]))
         j += CHUNK
@@ -237,7 +270,7 @@ def _round_block(out, xu, noise):
 
 
 @njit(inline="always")
-def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words):
+def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words, streaming):
     """Cast the elements of the aligned block of groups ``g_block .. g_block+BLOCK_GROUPS-1`` that lie in ``xu``."""
     n = xu.size
     g0 = max(g_block, g_first)
@@ -250,7 +283,7 @@ def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words):
         head = 8 * s0 - offset  # in [-7, n)
         lo = max(head, 0)
         hi = min(8 * (s1 - s0) + head, n)
-        _round_block(out[lo:hi], xu[lo:hi], noise[lo - head : hi - head])
+        _round_block(out[lo:hi], xu[lo:hi], noise[lo - head : hi - head], streaming)
 
 
 @njit(inline="always")
@@ -262,19 +295,23 @@ def _block_range(n, offset):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _stochastic_kernel(out, xu, ks, offset):
+def _stochastic_kernel(out, xu, ks, offset, streaming):
     g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
     for b in prange(n_blocks):
         words = np.empty(4 * BLOCK_GROUPS, np.uint32)  # hoisted: one buffer per thread
-        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words)
+        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words, streaming)
+        if streaming:
+            store_fence()
 
 
 @njit(cache=True, nogil=True)
-def _stochastic_kernel_serial(out, xu, ks, offset):
+def _stochastic_kernel_serial(out, xu, ks, offset, streaming):
     g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
     words = np.empty(4 * BLOCK_GROUPS, np.uint32)
     for b in range(n_blocks):
-        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words)
+        _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words, streaming)
+    if streaming:
+        store_fence()
 
 
 @njit(inline="always")
@@ -345,6 +382,10 @@ _LOCK = threading.Lock()
 # Below this many elements a tensor is cast on the calling thread: waking the worker threads costs more than it
 # saves (microseconds on an idle machine, milliseconds on a busy one), and a model has hundreds of small tensors.
 PARALLEL_MIN_NUMEL = 1 << 18
+# From this many elements (16 MB of x, 8 MB of bf16 out) the stochastic kernels write out with non-temporal stores:
+# an output that size leaves the caches before anyone reads it, so loading each destination line first (what a
+# normal store does) only costs bandwidth. Smaller outputs are stored normally and stay cached for their reader.
+STREAM_MIN_NUMEL = 1 << 22
 
 _KERNELS = {  # mode -> (serial, parallel)
     "stochastic": (_stochastic_kernel_serial, _stochastic_kernel),
@@ -370,7 +411,8 @@ def cast_many(items: Sequence, mode: str) -> None:
             kernel = _KERNELS[mode][item.x.numel() >= PARALLEL_MIN_NUMEL]
             out = _numpy(item.out, torch.int16, np.uint16)
             if mode in ("stochastic", "sticky"):
-                kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset)
+                kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset,
+                       item.x.numel() >= STREAM_MIN_NUMEL)
             elif mode == "nearest":
                 kernel(out, _numpy(item.x, torch.int32, np.uint32))
             else:

@@ -20,10 +20,12 @@ OFFSETS = [0, 1, 5, 7, 8, 13, 2**31 - 3, 2**32 - 5, 2**32 + 3, 8 * 2**32 - 21, 2
 BLOCK = 8 * cpu_cast.BLOCK_GROUPS  # elements per parallel block of the kernel
 
 
-@pytest.fixture(autouse=True, params=["serial", "parallel"])
+@pytest.fixture(autouse=True, params=["serial", "parallel", "streaming"])
 def kernel_path(request, monkeypatch):
-    """Run every test through both kernels: the calling-thread one (small tensors) and the multithreaded one."""
+    """Run every test through each kernel: the calling-thread one (small tensors), the multithreaded one, and the
+    multithreaded one with non-temporal stores of the stochastic output (large tensors)."""
     monkeypatch.setattr(cpu_cast, "PARALLEL_MIN_NUMEL", 2**62 if request.param == "serial" else 0)
+    monkeypatch.setattr(cpu_cast, "STREAM_MIN_NUMEL", 0 if request.param == "streaming" else 2**62)
     return request.param
 
 
@@ -77,8 +79,21 @@ def test_each_path_runs_its_own_kernel(kernel_path, monkeypatch):
     cpu(x)
     cpu(x, mode="nearest")
     cpu(x, mode="error_feedback", residual=torch.zeros(100))
-    i = 1 if kernel_path == "parallel" else 0
+    i = 0 if kernel_path == "serial" else 1
     assert ran == [f"stochastic/{i}", f"nearest/{i}", f"error_feedback/{i}"]
+
+
+def test_only_large_tensors_stream_their_output(kernel_path, monkeypatch):
+    flags = []
+    serial, parallel = cpu_cast._KERNELS["stochastic"]
+    monkeypatch.setitem(cpu_cast._KERNELS, "stochastic", tuple(
+        (lambda k: (lambda *a: (flags.append(a[-1]), k(*a))))(k) for k in (serial, parallel)))
+    monkeypatch.setattr(cpu_cast, "STREAM_MIN_NUMEL", 1000)
+    x = mixed(200, seed=4)
+    small, large = cpu(x[:999]), cpu(x[:1000], offset=3)
+    assert flags == [False, True]
+    assert_same(small, ref(x[:999]))
+    assert_same(large, ref(x[:1000], offset=3))
 
 
 def test_kernels_are_disk_cached_and_not_fastmath():

@@ -298,9 +298,9 @@ _KERNELS = {  # mode -> (serial, parallel)
 def _use_torch_thread_count() -> None:
     """Run numba's kernels on ``torch.get_num_threads()`` threads (at most its pool's), leaving torch's count as it was.
 
-    The first call starts numba's pool, and its OpenMP layer then sets the OpenMP thread count, which torch shares
-    (one libgomp in the process), to ``NUMBA_NUM_THREADS``: a caller's ``torch.set_num_threads(1)`` would silently
-    become the CPU count for every torch op after the first cast (other reduction orders, other bits).
+    The first call starts numba's pool, and its OpenMP layer then calls ``omp_set_num_threads(NUMBA_NUM_THREADS)``,
+    which binds to the libgomp torch loaded: a caller's ``torch.set_num_threads(1)`` would silently become the CPU
+    count for every torch op after the first cast (other reduction orders, other bits).
     """
     threads = torch.get_num_threads()
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))

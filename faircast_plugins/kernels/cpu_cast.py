@@ -395,6 +395,19 @@ _KERNELS = {  # mode -> (serial, parallel)
 }
 
 
+def _use_torch_thread_count() -> None:
+    """Run numba's kernels on ``torch.get_num_threads()`` threads (at most its pool's), leaving torch's count as it was.
+
+    The first call starts numba's pool, and its OpenMP layer then calls ``omp_set_num_threads(NUMBA_NUM_THREADS)``,
+    which binds to the libgomp torch loaded: a caller's ``torch.set_num_threads(1)`` would silently become the CPU
+    count for every torch op after the first cast (other reduction orders, other bits).
+    """
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def cast_many(items: Sequence, mode: str) -> None:
     """Cast every :class:`faircast_plugins.cast.CastItem` in place (``item.out``, and ``item.residual`` for EF).
 
@@ -404,7 +417,7 @@ def cast_many(items: Sequence, mode: str) -> None:
     if mode not in _KERNELS:
         raise ValueError(f"unknown Fair Cast mode {mode!r}")
     with _LOCK:
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        _use_torch_thread_count()
         for item in items:
             if item.x.dtype != torch.float32 or item.out.dtype != torch.bfloat16 or item.out.numel() != item.x.numel():
                 raise TypeError("the cpu backend casts fp32 x into a bf16 out of the same size")

@@ -3,6 +3,7 @@
 numba is installed in tests-core, so this module imports the kernel unconditionally: a missing or broken numba
 is a collection error here, never a silent skip. Nothing is timed.
 """
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ KEYS = [0, K, derive_key(7, 0, "lm_head.weight"), 2**63 - 1, 2**64 - 1]
 # offsets: aligned, unaligned heads, the 2**31 / 2**32 element and group boundaries, far beyond 2**32
 OFFSETS = [0, 1, 5, 7, 8, 13, 2**31 - 3, 2**32 - 5, 2**32 + 3, 8 * 2**32 - 21, 2**40 + 1, 2**62 + 5]
 BLOCK = 8 * cpu_cast.BLOCK_GROUPS  # elements per parallel block of the kernel
+PARALLEL_NUMEL = cpu_cast.PARALLEL_MIN_NUMEL  # read before kernel_path patches it
 
 
 @pytest.fixture(autouse=True, params=["serial", "parallel", "streaming"])
@@ -120,6 +122,43 @@ def test_missing_numba_is_a_clean_import_error_and_torch_takes_over():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+# Run in a fresh process: numba starts its thread pool once per process, on the first cast.
+THREADS_PROBE = """
+import sys, torch, numba
+from faircast_plugins.kernels import cpu_cast
+torch.set_num_threads(1)
+assert torch.get_num_threads() == 1  # also torch's lazy per-thread init, done by any parallel op before a cast
+if sys.argv[1] == "unguarded":
+    numba.set_num_threads(1)  # what the kernel calls to pick its thread count, without the guard around it
+else:
+    from faircast_plugins import fair_cast
+    fair_cast(torch.ones(int(sys.argv[1])), key=1, backend="cpu")
+print(numba.threading_layer(), torch.get_num_threads())
+"""
+
+
+def _threads_after(arg: str) -> tuple:
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "omp", "NUMBA_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", THREADS_PROBE, arg], capture_output=True, text=True, env=env, timeout=300)
+    if run.returncode and "No threading layer could be loaded" in run.stderr:
+        pytest.skip(f"numba's OpenMP threading layer does not load here: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    layer, threads = run.stdout.split()
+    return layer, int(threads)
+
+
+def test_first_cast_keeps_the_torch_thread_count(kernel_path):
+    """The first cast of a process starts numba's thread pool; its OpenMP layer then sets the OpenMP thread count,
+    which it shares with torch, to NUMBA_NUM_THREADS (omp_set_num_threads). A caller's torch.set_num_threads(1)
+    silently became the CPU count, and every torch op after the first cast ran with other threads (different
+    reduction orders: DeepSpeed's bf16 LayerNorm gradients changed in the last bits, tests/openrlhf). The cast must
+    leave torch's thread count as the caller set it. Negative control: the pool's start without the guard changes it."""
+    layer, threads = _threads_after(str(PARALLEL_NUMEL if kernel_path == "parallel" else 100))
+    assert (layer, threads) == ("omp", 1), f"after the first cast, torch.get_num_threads() is {threads} (layer {layer})"
+    if kernel_path == "serial":
+        assert _threads_after("unguarded") == ("omp", 2), "the control no longer shows numba changing torch's threads"
 
 
 # ---------------------------------------------------------------------------------------------- the contract

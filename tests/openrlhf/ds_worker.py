@@ -228,12 +228,13 @@ def run_scenario(name: str, world: int, mode: str, out_dir: str, rank: int) -> d
     engine, fc = make_engine(name, world, mode)
     ids = batch()
     record = {"initial": full_weights(engine), "masters": [], "served": [], "versions": [], "metrics": [],
-              "persistent_mismatches": [], "resumed_persistent_mismatches": []}
+              "threads": [], "persistent_mismatches": [], "resumed_persistent_mismatches": []}
     if engine.zero_optimization_stage() == 3:
         record["persistent_names"] = [n for n, p in engine.module.named_parameters()
                                       if any(p is q for q in engine.optimizer.persistent_parameters)]
     for step in range(STEPS):
         train_step(engine, ids)
+        record["threads"].append(torch.get_num_threads())  # worker() set 1; the first Fair Cast cast must keep it
         record["persistent_mismatches"].append(persistent_mismatches(engine))
         if step == 0 and engine.zero_optimization_stage() == 3 and world > 1:
             # After a step (gathered; reading them in full_weights releases them) and with a gather (at world 1
@@ -311,9 +312,14 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list, port: int):
     deepspeed.init_distributed(dist_backend="gloo")
     import time
 
+    # A ZeRO-3 engine replaces torch.nn.functional.linear with DeepSpeed's LinearFunctionForZeroStage3 for the
+    # whole process ("This will persist unless manually reset"): every later scenario would run its forward and
+    # backward on it, and its masters would depend on the scenario order. Each scenario starts from torch's own.
+    linear = torch.nn.functional.linear
     for scenario in scenarios:
         name, mode = scenario.split(":")
         t0 = time.perf_counter()
+        torch.nn.functional.linear = linear
         record = run_failure(name, world, mode, rank) if mode in FAILURES else run_scenario(name, world, mode, out_dir, rank)
         print(f"[ds_worker] rank {rank} {scenario}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         torch.save(record, os.path.join(out_dir, f"{name}-{mode}.rank{rank}.pt"))

@@ -28,3 +28,17 @@ def test_bench_check_reports_a_mismatch(monkeypatch):
     monkeypatch.setattr(bench, "fair_cast", wrong)
     line = bench._check("cpu", "stochastic", torch.randn(5000), key=3)
     assert "MISMATCH" in line
+
+
+def test_cpu_breakdown_script_runs_every_case():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cpu_breakdown.py"), "--numel", "65536",
+                           "--reps", "1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for label in (".to(torch.bfloat16)", "nearest kernel", "Philox pass alone", "rounding pass alone",
+                  "stochastic kernel"):
+        assert label in done.stdout, label

@@ -435,3 +435,4 @@ def test_cast_many_rejects_bad_items():
         cpu_cast.cast_many([CastItem(torch.empty(16, dtype=torch.bfloat16), x, 0)], "error_feedback")
     with pytest.raises(ValueError, match="unknown Fair Cast mode"):
         cpu_cast.cast_many([CastItem(torch.empty(16, dtype=torch.bfloat16), x, 0)], "dither")
+

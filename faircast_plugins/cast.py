@@ -91,6 +91,30 @@ def _check_inputs(x, *, key, offset, mode, residual, out, indices) -> None:
             raise ValueError("out must be a contiguous bf16 tensor with x's shape and device")
 
 
+def _refuse_shared_memory(read: Sequence[torch.Tensor], written: Sequence[torch.Tensor]) -> None:
+    """Refuse a cast whose written tensors (outs, residuals) share memory with a read one or with each other.
+
+    The kernels cast blocks in parallel (numba threads, one Triton launch per batch), so an output over an input would
+    read elements that another block already overwrote: a race, not the contract's bits. All tensors are contiguous
+    here, so each is one byte range; reads may overlap each other (the same master twice)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), is_written)
+        for tensors, is_written in ((read, False), (written, True)) for t in tensors if t is not None and t.numel()
+    )
+    read_end = written_end = 0
+    for start, end, is_written in spans:
+        if start < written_end or (is_written and start < read_end):
+            raise ValueError(
+                "Fair Cast's out and residual tensors must not share memory with x or with each other (the kernels "
+                "cast blocks in parallel, so an in-place cast would read elements already overwritten): cast into "
+                "a separate tensor, then copy"
+            )
+        if is_written:
+            written_end = max(written_end, end)
+        else:
+            read_end = max(read_end, end)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_module(backend: str):
     if backend == "triton":
@@ -267,8 +291,12 @@ def fair_cast(
     the stochastic rule applies either way); ``offset`` is the global (row-major, unsharded) index of ``x``'s
     first element; ``indices`` instead gives every element's global index (non-contiguous shards).
     ``error_feedback`` updates ``residual`` in place. Returns a bf16 tensor of ``x``'s shape on its device.
+    Without ``indices``, ``out`` and ``residual`` must not share memory with ``x`` or each other (refused: the kernels
+    cast blocks in parallel).
     """
     _check_inputs(x, key=key, offset=offset, mode=mode, residual=residual, out=out, indices=indices)
+    if indices is None:  # (the indices= path casts into a temporary, then copies)
+        _refuse_shared_memory([x], [out, residual])
     result = out if out is not None else torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if x.numel() == 0:
         return result
@@ -315,6 +343,7 @@ def fair_cast_many(
         results.append(result)
         if x.numel():
             items.append(CastItem(result.view(-1), x.view(-1), key, off, None if res is None else res.view(-1)))
+    _refuse_shared_memory(xs, outs + residuals)
     _run(items, mode, resolve_backend(backend, device))
     return results
 

@@ -49,6 +49,45 @@ def test_non_contiguous_without_indices_is_refused():
         fair_cast(w[:, 2:5], key=KEY)
 
 
+def _overlap_cases():
+    """{what: call} where a tensor the cast writes shares memory with one it reads or another it writes."""
+    n = 64
+    x = torch.randn(n)
+    xs = [torch.randn(n), torch.randn(n)]
+    buf = torch.empty(2 * n, dtype=torch.bfloat16)
+    return dict([
+        ("out_in_place_over_x", lambda: fair_cast(x, key=KEY, out=x.view(torch.bfloat16)[:n])),
+        ("out_over_x_tail", lambda: fair_cast(x, key=KEY, out=x.view(torch.bfloat16)[n:])),
+        ("residual_is_x", lambda: fair_cast(x, key=0, mode="error_feedback", residual=x)),
+        ("out_over_residual", lambda: fair_cast(
+            x, key=0, mode="error_feedback", residual=(r := torch.zeros(n)), out=r.view(torch.bfloat16)[:n])),
+        ("out_over_another_items_x", lambda: fair_cast_many(
+            xs, keys=[1, 2], outs=[xs[1].view(torch.bfloat16)[:n], None])),
+        ("two_outs_overlap", lambda: fair_cast_many(xs, keys=[1, 2], outs=[buf[:n], buf[n // 2: n + n // 2]])),
+    ])
+
+
+@pytest.mark.parametrize("case", list(_overlap_cases()))
+def test_outputs_sharing_memory_with_inputs_are_refused(case):
+    """The kernels cast blocks in parallel (the numba loop on CPU threads, Triton over a whole batch), so an output
+    over an input reads elements another block already overwrote: the cpu backend served other bits than the torch
+    reference for an in-place ``out=x.view(torch.bfloat16)[:n]`` of 5M elements (a race between threads)."""
+    with pytest.raises(ValueError, match="share memory"):
+        _overlap_cases()[case]()
+
+
+def test_separate_and_adjacent_buffers_are_accepted():
+    """Negative control: adjacent slices of one buffer, and one x read twice, are not an overlap."""
+    n = 64
+    flat = torch.randn(2 * n)
+    buf = torch.empty(2 * n, dtype=torch.bfloat16)
+    xs = [flat[:n], flat[n:], flat[:n]]
+    outs = fair_cast_many(xs, keys=[1, 2, 3], outs=[buf[:n], buf[n:], None])
+    assert outs[0].data_ptr() == buf.data_ptr()
+    r = torch.zeros(2 * n)
+    fair_cast(flat[:n], key=0, mode="error_feedback", residual=r[n:], out=buf[:n])
+
+
 @pytest.mark.parametrize("mode", ["stochastic", "sticky"])
 def test_column_split_with_block_indices_matches_full_cast(mode):
     w = torch.randn(16, 24)

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     n = args.numel
     threads = torch.get_num_threads()
-    kc.numba.set_num_threads(max(1, min(threads, kc.numba.config.NUMBA_NUM_THREADS)))
+    kc._use_torch_thread_count()  # numba on torch's thread count, torch's count left as it was
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02
     xu = x.view(torch.int32).numpy().view(np.uint32)
     ks = kc.round_keys(0x243F6A8885A308D3)

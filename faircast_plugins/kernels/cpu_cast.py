@@ -175,16 +175,19 @@ def add_shift_chunk(typingctx, out, xu, noise, j, streaming):
         out_a, xu_a, noise_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
         j, streaming = args[3], args[4]
 
+        def element_align(array_type, size):
+            return size if array_type.aligned else 1
+
         def chunk_ptr(array, vector_type):
             return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
 
-        x = builder.load(chunk_ptr(xu_a, _V32), align=4)
+        x = builder.load(chunk_ptr(xu_a, _V32), align=element_align(sig.args[1], 4))
         magnitude = builder.and_(x, _splat(int(_MAG)))
         outside = builder.icmp_unsigned(">", magnitude, _splat(int(_FAST_LIMIT)))
         any_outside = builder.icmp_unsigned("!=", builder.bitcast(outside, ir.IntType(CHUNK)),
                                             ir.Constant(ir.IntType(CHUNK), 0))
         with builder.if_then(builder.not_(any_outside), likely=True):
-            noise16 = builder.load(chunk_ptr(noise_a, _V16), align=2)
+            noise16 = builder.load(chunk_ptr(noise_a, _V16), align=element_align(sig.args[2], 2))
             total = builder.add(x, builder.zext(noise16, _V32))
             value = builder.trunc(builder.lshr(total, _splat(16)), _V16)
             target = chunk_ptr(out_a, _V16)
@@ -195,7 +198,7 @@ def add_shift_chunk(typingctx, out, xu, noise, j, streaming):
                     store = builder.store(value, target, align=64)
                     store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
                 with plain:
-                    builder.store(value, target, align=2)
+                    builder.store(value, target, align=element_align(sig.args[0], 2))
         return any_outside
 
     return types.boolean(out, xu, noise, j, streaming), codegen
@@ -252,15 +255,22 @@ def _nearest_bits(u):
 
 
 @njit(inline="always")
+def _round_chunk(out, xu, noise, j, streaming):
+    if add_shift_chunk(out, xu, noise, j, streaming):
+        for k in range(j, j + CHUNK):
+            out[k] = np.uint16(_stochastic_bits(xu[k], noise[k]))
+
+
+@njit(inline="always")
 def _round_block(out, xu, noise, streaming):
     """The stochastic rule for ``out[j] <- (xu[j], noise[j])``: chunks of ``CHUNK`` elements take the vector
-    add-and-shift when none is near bf16 max, inf or NaN (true for any real weight), else the full rule."""
+    add-and-shift when none is near bf16 max, inf or NaN (true for any real weight), else the full rule. A streaming
+    chunk is stored non-temporally only where it is a whole 64-byte line of ``out``; starting the chunks on the
+    line grid instead was tried: mixing normal and non-temporal stores in every step made it 1.7x slower."""
     n = xu.size
     j = 0
     while j + CHUNK <= n:
-        if add_shift_chunk(out, xu, noise, j, streaming):
-            for k in range(j, j + CHUNK):
-                out[k] = np.uint16(_stochastic_bits(xu[k], noise[k]))
+        _round_chunk(out, xu, noise, j, streaming)
         j += CHUNK
     for k in range(j, n):
         out[k] = np.uint16(_stochastic_bits(xu[k], noise[k]))

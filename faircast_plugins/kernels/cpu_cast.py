@@ -18,7 +18,8 @@ aligned to the *global* index, so any offset works), one block per parallel iter
    element of the chunk has ``|u| > 0x7F7F0000`` (true for any real weight), the sign-magnitude rule equals the
    two's-complement ``(u + noise) >> 16`` (no carry can reach the sign bit or pass bf16 max): one load of x, one
    range test, a few instructions per 16 elements. Otherwise the full branchless rule (saturation, inf, quiet NaN)
-   runs for that chunk.
+   runs for that chunk. Outputs of ``STREAM_MIN_NUMEL`` elements or more are stored non-temporally where a chunk is
+   a whole 64-byte line of ``out``, and each block then ends with ``store_fence``.
 
 Alternating the two in steps of 512 elements lets the core overlap Philox's arithmetic with the rounding's memory
 traffic; a whole-block Philox pass followed by a whole-block rounding pass cost the sum of the two.

@@ -7,10 +7,13 @@ times, interleaved repetition by repetition on the same tensor and threads:
 - ``.to(torch.bfloat16)``, the baseline of ``faircast bench``, and the ``nearest`` kernel (a plain cast in numba);
 - the Philox pass alone: the kernel's own Philox blocks for every group of the tensor, no memory traffic;
 - the rounding pass alone: the kernel's own rounding chunks over the whole tensor, with one fixed block of noise;
-- the full ``stochastic`` kernel.
+- the full ``stochastic`` kernel;
+- the ``error_feedback`` kernel, and its memory traffic alone: a loop that reads x and the residual and writes a
+  bf16 and the residual (14 bytes per element, like the kernel) with one integer add and shift per element.
 
-If the Philox pass alone takes most of ``.to``'s time, the kernel cannot come close to ``.to`` on that machine,
-however well the two passes overlap. Run in the tests-core venv (numba kernels compile on the first run):
+If the Philox pass alone takes most of ``.to``'s time, the stochastic kernel cannot come close to ``.to`` on that
+machine, however well the two passes overlap; if error feedback's traffic alone takes over twice ``.to``'s time, no
+implementation of the contract's error feedback (an fp32 residual read and written per element) reaches 0.5x. Run in the tests-core venv (numba kernels compile on the first run):
 
     python benchmarks/cpu_breakdown.py                  # 64M elements, 15 repetitions
     python benchmarks/cpu_breakdown.py --numel 65536 --reps 1   # smoke (tests/core/test_bench.py)
@@ -57,6 +60,15 @@ def _rounding_pass(out, xu, noise):
         kc._round_block(out[lo:hi], xu[lo:hi], noise[: hi - lo], False)
 
 
+@njit(parallel=True, nogil=True)
+def _error_feedback_traffic(out, xu, ru):
+    """error_feedback's loads and stores (x and r in, bf16 and r out) with trivial integer arithmetic."""
+    for i in prange(xu.size):
+        total = xu[i] + ru[i]
+        out[i] = np.uint16(total >> np.uint32(16))
+        ru[i] = total & np.uint32(0xFFFF)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=64 << 20)
@@ -70,6 +82,8 @@ def main(argv=None) -> int:
     ks = kc.round_keys(0x243F6A8885A308D3)
     noise = np.random.default_rng(0).integers(0, 1 << 16, 8 * kc.STEP_GROUPS, dtype=np.uint16)
     sink = np.zeros(n // 8 + 1, np.uint32)
+    residual = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-5).numpy()
+    residual_bits = torch.zeros(n, dtype=torch.int32).numpy().view(np.uint32)
 
     def fresh_out():
         return torch.empty(n, dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -80,6 +94,8 @@ def main(argv=None) -> int:
         "Philox pass alone": lambda: _philox_pass(sink, n, ks),
         "rounding pass alone": lambda: _rounding_pass(fresh_out(), xu, noise),
         "stochastic kernel": lambda: kc._stochastic_kernel(fresh_out(), xu, ks, 0, n >= kc.STREAM_MIN_NUMEL),
+        "EF traffic alone": lambda: _error_feedback_traffic(fresh_out(), xu, residual_bits),
+        "error_feedback kernel": lambda: kc._error_feedback_kernel(fresh_out(), x.numpy(), residual),
     }
     for run in cases.values():  # compile and warm up
         run()

@@ -24,8 +24,11 @@ aligned to the *global* index, so any offset works), one block per parallel iter
 Alternating the two in steps of 512 elements lets the core overlap Philox's arithmetic with the rounding's memory
 traffic; a whole-block Philox pass followed by a whole-block rounding pass cost the sum of the two.
 
-``nearest`` and ``error_feedback`` are element-wise integer rules (plus IEEE fp32 add/sub for EF, fastmath off,
-so there is no contraction and no reassociation). Each mode has a multithreaded kernel and a serial twin for
+``nearest`` is an element-wise integer rule that numba vectorizes. ``error_feedback`` goes in chunks of 32 too
+(``error_feedback_chunk``, LLVM vector IR): when every sum ``x + r`` of the chunk is finite and below the overflow
+threshold, ``q = RNE(x + r)`` and ``r' = (x + r) - q`` for the whole chunk; otherwise (an inf or NaN input, a
+saturating sum) the per-element rule runs for that chunk. Its fp32 add and subtract are IEEE, vector or scalar
+(fastmath off: no contraction, no reassociation). Each mode has a multithreaded kernel and a serial twin for
 tensors below ``PARALLEL_MIN_NUMEL``. All kernels are compiled lazily on first use and cached on disk
 (``cache=True``), and release the GIL; one lock serializes calls because numba's fallback threading layer is not
 reentrant.
@@ -75,6 +78,7 @@ _SIGN16 = np.uint32(0x8000)
 _INF = np.uint32(0x7F800000)
 _BF16_MAX = np.uint32(0x7F7F)
 _FAST_LIMIT = np.uint32(0x7F7F0000)  # up to this |u| the two's-complement add needs no saturation
+_EF_FAST_LIMIT = np.uint32(0x7F7F8000)  # from this |s| on, round-to-nearest-even gives the bf16 infinity
 _QUIET = np.uint32(0x0040)
 _ZERO32 = np.uint32(0)
 _ONE32 = np.uint32(1)
@@ -142,7 +146,7 @@ def _philox_block(noise, g_lo, g_hi, m, ks):
 # the machine it runs on (AVX2, AVX-512, NEON), without fast-math flags or target-specific intrinsics. It lives in
 # this file because numba's disk cache of a kernel is invalidated by changes to the kernel's own file only.
 
-CHUNK = 32  # elements per call of add_shift_chunk
+CHUNK = 32  # elements per call of add_shift_chunk and error_feedback_chunk
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -223,6 +227,57 @@ def store_fence(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+_F32 = ir.FloatType()
+_VF32 = ir.VectorType(_F32, CHUNK)
+
+
+@intrinsic
+def error_feedback_chunk(typingctx, out, x, residual, j):
+    """ROUNDING.md §4 ``error_feedback`` for ``x[j:j+32]`` and ``residual[j:j+32]`` in place, and return False, if
+    every sum ``s = x + r`` has ``|s|`` below 0x7F7F8000 (the fp32 bits, the smallest magnitude that would round
+    to the bf16 infinity); otherwise store nothing and return True (the caller runs the full rule per element).
+
+    Under that condition x and r are finite (an inf or NaN in either makes ``s`` inf or NaN) and the sum is not
+    saturated, so the rule is: ``q = RNE(s)``, ``r' = s - q`` (exact), with the same IEEE fp32 add and subtract as
+    the per-element rule (no fast-math flags). ``out`` is uint16, ``x`` and ``residual`` float32, all 1-D and
+    C-contiguous with at least ``j + 32`` elements (not checked).
+    """
+    for arg, dtype in ((out, types.uint16), (x, types.float32), (residual, types.float32)):
+        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
+            return None
+    if not isinstance(j, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        out_a, x_a, r_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
+        j = args[3]
+
+        def chunk_ptr(array, vector_type):
+            return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
+
+        def align(array_type, size):
+            return size if array_type.aligned else 1
+
+        r_ptr = chunk_ptr(r_a, _VF32)
+        total = builder.fadd(builder.load(chunk_ptr(x_a, _VF32), align=align(sig.args[1], 4)),
+                             builder.load(r_ptr, align=align(sig.args[2], 4)))
+        bits = builder.bitcast(total, _V32)
+        magnitude = builder.and_(bits, _splat(int(_MAG)))
+        outside = builder.icmp_unsigned(">=", magnitude, _splat(int(_EF_FAST_LIMIT)))
+        any_outside = builder.icmp_unsigned("!=", builder.bitcast(outside, ir.IntType(CHUNK)),
+                                            ir.Constant(ir.IntType(CHUNK), 0))
+        with builder.if_then(builder.not_(any_outside), likely=True):
+            odd = builder.and_(builder.lshr(magnitude, _splat(16)), _splat(1))
+            nearest = builder.lshr(builder.add(magnitude, builder.add(odd, _splat(int(_HALF_ULP)))), _splat(16))
+            q = builder.or_(builder.and_(builder.lshr(bits, _splat(16)), _splat(int(_SIGN16))), nearest)
+            served = builder.bitcast(builder.shl(q, _splat(16)), _VF32)
+            builder.store(builder.trunc(q, _V16), chunk_ptr(out_a, _V16), align=align(sig.args[0], 2))
+            builder.store(builder.fsub(total, served), r_ptr, align=align(sig.args[2], 4))
+        return any_outside
+
+    return types.boolean(out, x, residual, j), codegen
 
 
 # ---------------------------------------------------------------------------------------------- rounding rules
@@ -359,16 +414,30 @@ def _nearest_kernel_serial(out, xu):
         out[i] = np.uint16(_nearest_bits(xu[i]))
 
 
+@njit(inline="always")
+def _error_feedback_range(out, x, residual, lo, hi):
+    """Error feedback for elements ``lo .. hi-1``: chunks of ``CHUNK`` take :func:`error_feedback_chunk`, a chunk
+    with a non-finite input or a sum at the overflow threshold and the tail take the per-element rule."""
+    j = lo
+    while j + CHUNK <= hi:
+        if error_feedback_chunk(out, x, residual, j):
+            for i in range(j, j + CHUNK):
+                _error_feedback_element(out, x, residual, i)
+        j += CHUNK
+    for i in range(j, hi):
+        _error_feedback_element(out, x, residual, i)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _error_feedback_kernel(out, x, residual):
-    for i in prange(x.size):
-        _error_feedback_element(out, x, residual, i)
+    block = 8 * BLOCK_GROUPS
+    for b in prange((x.size + block - 1) // block):
+        _error_feedback_range(out, x, residual, b * block, min(b * block + block, x.size))
 
 
 @njit(cache=True, nogil=True)
 def _error_feedback_kernel_serial(out, x, residual):
-    for i in range(x.size):
-        _error_feedback_element(out, x, residual, i)
+    _error_feedback_range(out, x, residual, 0, x.size)
 
 
 # ---------------------------------------------------------------------------------------------- host side

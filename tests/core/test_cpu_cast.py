@@ -390,6 +390,40 @@ def test_error_feedback_is_exact_and_keeps_subnormals():
     assert golden.bf16_bits(q)[6] == 0x7FC0
 
 
+def test_error_feedback_chunks_and_their_edges():
+    # error feedback runs a vector chunk of CHUNK elements when every sum is finite and below the overflow threshold;
+    # one special input or a sum at the threshold sends only its chunk to the per-element rule. Put one at every lane
+    # in turn among ordinary weights, with sums on both sides of the threshold, ties and subnormals in fast chunks,
+    # and run on views that start off the vector grid.
+    chunk = cpu_cast.CHUNK
+    g = torch.Generator().manual_seed(11)
+    n = 3 * chunk * chunk + 7
+    x = torch.randn(n + 1, generator=g) * 0.02
+    r = torch.randn(n + 1, generator=g) * 1e-5
+    specials = [  # (x bits, r bits): a NaN x, an inf r, a NaN r, a sum at the threshold, a sum rounding to -inf
+        (0x7FC00001, 0x00000000), (0x3C000000, 0x7F800000), (0x3C000000, 0xFFC00000),
+        (0x7F7F8000, 0x00000000), (0xFF7F7000, 0xF3800000)]
+    for lane in range(chunk):
+        xb, rb = specials[lane % len(specials)]
+        x[3 * chunk * lane + lane], r[3 * chunk * lane + lane] = from_bits([xb])[0], from_bits([rb])[0]
+    edges = [  # fast-path values: just below the threshold, ties both ways, subnormal sums, a zero sum
+        (0x7F7F7FFF, 0x00000000), (0x3F808000, 0x00000000), (0x3F818000, 0x00000000), (0x00000003, 0x80000001),
+        (0x80000005, 0x00000001), (0x3C23D70A, 0xBC23D70A), (0x80000000, 0x00000000)]
+    for k, (xb, rb) in enumerate(edges):
+        x[2 * chunk + k], r[2 * chunk + k] = from_bits([xb])[0], from_bits([rb])[0]
+    for start in (0, 1):
+        xs, r_cpu = x.clone()[start:start + n], r.clone()[start:start + n]  # start 1: views off the vector grid
+        r_ref = r_cpu.clone()
+        for step in range(2):
+            q_cpu = cpu(xs, mode="error_feedback", residual=r_cpu)
+            assert_same(q_cpu, ref(xs, mode="error_feedback", residual=r_ref))
+            assert torch.equal(r_cpu.view(torch.int32), r_ref.view(torch.int32)), f"residual differs at step {step}"
+            xs = xs + 1e-6
+    q = cpu(from_bits([0x7F7F7FFF, 0x7F7F8000] + [0] * (chunk - 2)), mode="error_feedback",
+            residual=torch.zeros(chunk))
+    assert golden.bf16_bits(q)[:2] == [0x7F7F, 0x7F7F]  # below the threshold: nearest; at it: saturated
+
+
 # ---------------------------------------------------------------------------------------------- batches, views
 
 

@@ -146,7 +146,12 @@ def _fmt_row(case: Case, base: Case, n: int) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as exc:  # an unknown name, or a device this torch build cannot reach
+        raise SystemExit(f"faircast bench: cannot use --device {args.device!r} here ({exc}); leave it out to time "
+                         f"CUDA when torch sees a GPU, else the CPU") from None
     if args.numel < 1 or args.ref_numel < 1 or args.reps < 1:
         raise SystemExit("faircast bench: --numel, --ref-numel and --reps must be positive")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -1,4 +1,7 @@
 """``faircast bench`` runs end to end on a small size (nothing here is timed or compared against a speed)."""
+import pytest
+import torch
+
 from faircast_plugins import bench
 from faircast_plugins.cli import main
 
@@ -14,10 +17,17 @@ def test_bench_prints_every_case_and_checks_bits(capsys):
     assert "repetition 2/2 done" in out
 
 
+@pytest.mark.parametrize("device", ["nodevice", "cuda:0"])
+def test_bench_refuses_a_device_it_cannot_use(device, capsys):
+    if device == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: --device cuda:0 is usable here")
+    with pytest.raises(SystemExit, match=f"cannot use --device '{device}' here"):
+        main(["bench", "--device", device, "--numel", "1000", "--reps", "1"])
+    assert "faircast bench" not in capsys.readouterr().out  # refused before any timing starts
+
+
 def test_bench_check_reports_a_mismatch(monkeypatch):
     # negative control: a backend that returns the plain round-to-nearest cast must be flagged
-    import torch
-
     real = bench.fair_cast
 
     def wrong(x, *, backend, mode, **kw):
@@ -40,5 +50,5 @@ def test_cpu_breakdown_script_runs_every_case():
                            "--reps", "1"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for label in (".to(torch.bfloat16)", "nearest kernel", "Philox pass alone", "rounding pass alone",
-                  "stochastic kernel"):
+                  "stochastic kernel", "EF traffic alone", "error_feedback kernel"):
         assert label in done.stdout, label

@@ -13,7 +13,8 @@ times, interleaved repetition by repetition on the same tensor and threads:
 
 If the Philox pass alone takes most of ``.to``'s time, the stochastic kernel cannot come close to ``.to`` on that
 machine, however well the two passes overlap; if error feedback's traffic alone takes over twice ``.to``'s time, no
-implementation of the contract's error feedback (an fp32 residual read and written per element) reaches 0.5x. Run in the tests-core venv (numba kernels compile on the first run):
+implementation of the contract's error feedback (an fp32 residual read and written per element) reaches 0.5x
+with normal stores. Run in the tests-core venv (numba kernels compile on the first run):
 
     python benchmarks/cpu_breakdown.py                  # 64M elements, 15 repetitions
     python benchmarks/cpu_breakdown.py --numel 65536 --reps 1   # smoke (tests/core/test_bench.py)

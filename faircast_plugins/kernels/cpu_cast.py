@@ -153,10 +153,31 @@ _I64 = ir.IntType(64)
 _I16 = ir.IntType(16)
 _V32 = ir.VectorType(_I32, CHUNK)
 _V16 = ir.VectorType(_I16, CHUNK)
+_VF32 = ir.VectorType(ir.FloatType(), CHUNK)
 
 
 def _splat(value: int) -> ir.Constant:
     return ir.Constant(_V32, [value] * CHUNK)
+
+
+def _flat_arrays(*args_and_dtypes) -> bool:
+    """True if every ``(arg, dtype)`` is a 1-D C-contiguous numba array of that dtype (what the chunks accept)."""
+    return all(isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype
+               for arg, dtype in args_and_dtypes)
+
+
+def _chunk_ptr(builder, array, j, vector_type):
+    """Pointer to ``array[j : j + CHUNK]`` as one vector."""
+    return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
+
+
+def _element_align(array_type, size: int) -> int:
+    return size if array_type.aligned else 1
+
+
+def _any_lane(builder, mask):
+    """One i1: is any lane of the CHUNK-lane i1 ``mask`` set."""
+    return builder.icmp_unsigned("!=", builder.bitcast(mask, ir.IntType(CHUNK)), ir.Constant(ir.IntType(CHUNK), 0))
 
 
 @intrinsic
@@ -170,32 +191,21 @@ def add_shift_chunk(typingctx, out, xu, noise, j, streaming):
     and ``out + 2j`` on a 64-byte boundary the store is non-temporal (no read of the destination line, no cache
     pollution); the kernel then ends each block with :func:`store_fence`.
     """
-    for arg, dtype in ((out, types.uint16), (xu, types.uint32), (noise, types.uint16)):
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
-            return None
-    if not (isinstance(j, types.Integer) and isinstance(streaming, types.Boolean)):
+    if not (_flat_arrays((out, types.uint16), (xu, types.uint32), (noise, types.uint16))
+            and isinstance(j, types.Integer) and isinstance(streaming, types.Boolean)):
         return None
 
     def codegen(context, builder, sig, args):
         out_a, xu_a, noise_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
         j, streaming = args[3], args[4]
-
-        def element_align(array_type, size):
-            return size if array_type.aligned else 1
-
-        def chunk_ptr(array, vector_type):
-            return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
-
-        x = builder.load(chunk_ptr(xu_a, _V32), align=element_align(sig.args[1], 4))
+        x = builder.load(_chunk_ptr(builder, xu_a, j, _V32), align=_element_align(sig.args[1], 4))
         magnitude = builder.and_(x, _splat(int(_MAG)))
-        outside = builder.icmp_unsigned(">", magnitude, _splat(int(_FAST_LIMIT)))
-        any_outside = builder.icmp_unsigned("!=", builder.bitcast(outside, ir.IntType(CHUNK)),
-                                            ir.Constant(ir.IntType(CHUNK), 0))
+        any_outside = _any_lane(builder, builder.icmp_unsigned(">", magnitude, _splat(int(_FAST_LIMIT))))
         with builder.if_then(builder.not_(any_outside), likely=True):
-            noise16 = builder.load(chunk_ptr(noise_a, _V16), align=element_align(sig.args[2], 2))
+            noise16 = builder.load(_chunk_ptr(builder, noise_a, j, _V16), align=_element_align(sig.args[2], 2))
             total = builder.add(x, builder.zext(noise16, _V32))
             value = builder.trunc(builder.lshr(total, _splat(16)), _V16)
-            target = chunk_ptr(out_a, _V16)
+            target = _chunk_ptr(builder, out_a, j, _V16)
             address = builder.ptrtoint(target, _I64)
             on_line = builder.icmp_unsigned("==", builder.and_(address, ir.Constant(_I64, 63)), ir.Constant(_I64, 0))
             with builder.if_else(builder.and_(streaming, on_line)) as (stream, plain):
@@ -203,10 +213,47 @@ def add_shift_chunk(typingctx, out, xu, noise, j, streaming):
                     store = builder.store(value, target, align=64)
                     store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
                 with plain:
-                    builder.store(value, target, align=element_align(sig.args[0], 2))
+                    builder.store(value, target, align=_element_align(sig.args[0], 2))
         return any_outside
 
     return types.boolean(out, xu, noise, j, streaming), codegen
+
+
+@intrinsic
+def error_feedback_chunk(typingctx, out, x, residual, j):
+    """ROUNDING.md §4 ``error_feedback`` for ``x[j:j+32]`` and ``residual[j:j+32]`` in place, and return False, if
+    every sum ``s = x + r`` has ``|s|`` below 0x7F7F8000 (the fp32 bits, the smallest magnitude that would round
+    to the bf16 infinity); otherwise store nothing and return True (the caller runs the full rule per element).
+
+    Under that condition x and r are finite (an inf or NaN in either makes ``s`` inf or NaN) and the sum is not
+    saturated, so the rule is: ``q = RNE(s)``, ``r' = s - q`` (exact), with the same IEEE fp32 add and subtract as
+    the per-element rule (no fast-math flags). ``out`` is uint16, ``x`` and ``residual`` float32, all 1-D and
+    C-contiguous with at least ``j + 32`` elements (not checked).
+    """
+    if not (_flat_arrays((out, types.uint16), (x, types.float32), (residual, types.float32))
+            and isinstance(j, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        out_a, x_a, r_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
+        j = args[3]
+        r_ptr = _chunk_ptr(builder, r_a, j, _VF32)
+        total = builder.fadd(builder.load(_chunk_ptr(builder, x_a, j, _VF32), align=_element_align(sig.args[1], 4)),
+                             builder.load(r_ptr, align=_element_align(sig.args[2], 4)))
+        bits = builder.bitcast(total, _V32)
+        magnitude = builder.and_(bits, _splat(int(_MAG)))
+        any_outside = _any_lane(builder, builder.icmp_unsigned(">=", magnitude, _splat(int(_EF_FAST_LIMIT))))
+        with builder.if_then(builder.not_(any_outside), likely=True):
+            odd = builder.and_(builder.lshr(magnitude, _splat(16)), _splat(1))
+            nearest = builder.lshr(builder.add(magnitude, builder.add(odd, _splat(int(_HALF_ULP)))), _splat(16))
+            q = builder.or_(builder.and_(builder.lshr(bits, _splat(16)), _splat(int(_SIGN16))), nearest)
+            served = builder.bitcast(builder.shl(q, _splat(16)), _VF32)
+            builder.store(builder.trunc(q, _V16), _chunk_ptr(builder, out_a, j, _V16),
+                          align=_element_align(sig.args[0], 2))
+            builder.store(builder.fsub(total, served), r_ptr, align=_element_align(sig.args[2], 4))
+        return any_outside
+
+    return types.boolean(out, x, residual, j), codegen
 
 
 # x86 orders non-temporal stores only with SFENCE/MFENCE: LLVM lowers a seq_cst fence to a LOCK-prefixed add there,
@@ -227,57 +274,6 @@ def store_fence(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
-
-
-_F32 = ir.FloatType()
-_VF32 = ir.VectorType(_F32, CHUNK)
-
-
-@intrinsic
-def error_feedback_chunk(typingctx, out, x, residual, j):
-    """ROUNDING.md §4 ``error_feedback`` for ``x[j:j+32]`` and ``residual[j:j+32]`` in place, and return False, if
-    every sum ``s = x + r`` has ``|s|`` below 0x7F7F8000 (the fp32 bits, the smallest magnitude that would round
-    to the bf16 infinity); otherwise store nothing and return True (the caller runs the full rule per element).
-
-    Under that condition x and r are finite (an inf or NaN in either makes ``s`` inf or NaN) and the sum is not
-    saturated, so the rule is: ``q = RNE(s)``, ``r' = s - q`` (exact), with the same IEEE fp32 add and subtract as
-    the per-element rule (no fast-math flags). ``out`` is uint16, ``x`` and ``residual`` float32, all 1-D and
-    C-contiguous with at least ``j + 32`` elements (not checked).
-    """
-    for arg, dtype in ((out, types.uint16), (x, types.float32), (residual, types.float32)):
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
-            return None
-    if not isinstance(j, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        out_a, x_a, r_a = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
-        j = args[3]
-
-        def chunk_ptr(array, vector_type):
-            return builder.bitcast(builder.gep(array.data, [j]), vector_type.as_pointer())
-
-        def align(array_type, size):
-            return size if array_type.aligned else 1
-
-        r_ptr = chunk_ptr(r_a, _VF32)
-        total = builder.fadd(builder.load(chunk_ptr(x_a, _VF32), align=align(sig.args[1], 4)),
-                             builder.load(r_ptr, align=align(sig.args[2], 4)))
-        bits = builder.bitcast(total, _V32)
-        magnitude = builder.and_(bits, _splat(int(_MAG)))
-        outside = builder.icmp_unsigned(">=", magnitude, _splat(int(_EF_FAST_LIMIT)))
-        any_outside = builder.icmp_unsigned("!=", builder.bitcast(outside, ir.IntType(CHUNK)),
-                                            ir.Constant(ir.IntType(CHUNK), 0))
-        with builder.if_then(builder.not_(any_outside), likely=True):
-            odd = builder.and_(builder.lshr(magnitude, _splat(16)), _splat(1))
-            nearest = builder.lshr(builder.add(magnitude, builder.add(odd, _splat(int(_HALF_ULP)))), _splat(16))
-            q = builder.or_(builder.and_(builder.lshr(bits, _splat(16)), _splat(int(_SIGN16))), nearest)
-            served = builder.bitcast(builder.shl(q, _splat(16)), _VF32)
-            builder.store(builder.trunc(q, _V16), chunk_ptr(out_a, _V16), align=align(sig.args[0], 2))
-            builder.store(builder.fsub(total, served), r_ptr, align=align(sig.args[2], 4))
-        return any_outside
-
-    return types.boolean(out, x, residual, j), codegen
 
 
 # ---------------------------------------------------------------------------------------------- rounding rules

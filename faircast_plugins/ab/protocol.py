@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import subprocess
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -19,7 +18,16 @@ from .task import TASKS
 from .warmstart import WarmStartSpec
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
-METRICS = ("served_expected", "served_greedy", "served_sampled", "master_expected", "master_greedy")
+#: Readouts of the fp32 master, scored through the engine at every eval point beside the served copy: what the
+#: master of that arm would score if it were exported by round-to-nearest, stochastic rounding (keyed by the run's
+#: Fair Cast seed and the weight version, as the ``faircast`` arm's export), or sticky rounding.
+READOUTS = ("rtn", "sr", "sticky")
+METRICS = ("served_expected", "served_greedy", "served_sampled", "master_expected", "master_greedy",
+           *(f"{r}_{k}" for r in READOUTS for k in ("expected", "greedy")))
+#: How the trainer computes: ``bf16-autocast`` (torch autocast to bf16 around the forward, fp32 masters; TRL's
+#: default ``bf16=True``) or ``fp32`` (every op in fp32). A protocol must name one: never a framework's default.
+COMPUTE = ("bf16-autocast", "fp32")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 def presets() -> List[str]:
@@ -35,11 +43,20 @@ class Protocol:
     warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)
     model: Optional[str] = None       # a user's model directory (replaces the built-in warm start)
     dataset: Optional[str] = None     # a user's jsonl (replaces the built-in task)
+    compute: Optional[str] = None     # one of COMPUTE; required
     lr: float = 1e-6
+    lr_schedule: str = "constant"     # TRL's lr_scheduler_type, no warm-up
     steps: int = 200
     eval_every: int = 20
     prompts_per_step: int = 16
     generations: int = 8
+    # GRPO knobs the harness passes to TRL explicitly (what the committed CPU run had from TRL 1.16's defaults):
+    num_iterations: int = 1           # optimizer passes over each generation batch (> 1: off-policy, ratio clip active)
+    steps_per_generation: int = 1     # optimizer steps per generation batch (> 1: off-policy)
+    epsilon: float = 0.2              # PPO ratio clip
+    loss_type: str = "dapo"
+    is_correction: bool = True        # TRL's vllm_importance_sampling_correction (mode sequence_mask, clip_max 3.0)
+    readouts: bool = True             # score RTN/SR/sticky(master) through the engine at every eval point
     arms: List[str] = field(default_factory=lambda: ["standard", "faircast"])
     seeds: List[int] = field(default_factory=lambda: [0, 1])
     metric: str = "served_expected"
@@ -59,9 +76,19 @@ class Protocol:
             raise ValueError("each arm may appear once in a protocol")
         if not self.dataset and self.task not in TASKS:
             raise ValueError(f"unknown A/B task {self.task!r}; built in: {', '.join(TASKS)} (or --dataset FILE.jsonl)")
+        if self.compute not in COMPUTE:
+            raise ValueError(f"protocol compute must be one of {', '.join(COMPUTE)} (how the trainer computes; the "
+                             f"harness never relies on a framework's default), got {self.compute!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"protocol lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not self.readouts and self.metric.split("_", 1)[0] in READOUTS:
+            raise ValueError(f"protocol metric {self.metric!r} needs readouts: true")
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"protocol epsilon must be in (0, 1), got {self.epsilon!r}")
         if self.metric not in METRICS:
             raise ValueError(f"unknown metric {self.metric!r}; one of {', '.join(METRICS)}")
-        for name in ("steps", "eval_every", "prompts_per_step", "generations", "workers", "threads", "heldout"):
+        for name in ("steps", "eval_every", "prompts_per_step", "generations", "workers", "threads", "heldout",
+                     "num_iterations", "steps_per_generation"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"protocol {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.generations < 2:
@@ -103,21 +130,3 @@ def load(preset: Optional[str] = None, path: Optional[str] = None, **overrides) 
     proto = Protocol(**data)
     proto.source = os.path.abspath(path)
     return proto
-
-
-def file_provenance(path: str) -> dict:
-    """SHA-256 of a protocol file and the git commit that last changed it (None outside git or if uncommitted)."""
-    with open(path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
-    out = {"path": path, "sha256": sha, "commit": None, "committed_unchanged": False}
-    try:
-        d = os.path.dirname(path)
-        commit = subprocess.run(["git", "log", "-1", "--format=%H", "--", path], cwd=d, capture_output=True,
-                                text=True, timeout=20).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", path], cwd=d, capture_output=True, text=True,
-                               timeout=20).stdout.strip()
-        out["commit"] = commit or None
-        out["committed_unchanged"] = bool(commit) and not dirty
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return out

@@ -9,8 +9,16 @@ from typing import List, Optional, Sequence
 
 from ..lag_cost import WINDOW, LagCost, slope
 from . import stats
-from .protocol import METRICS
+from .protocol import METRICS, READOUTS
 
+#: Per-step logs averaged over a run, for the noise question: (logged key, summary name).
+NOISE = (("grad_norm", "grad_norm"), ("adam_v_mean", "adam_v_mean"),
+         ("sampling/importance_sampling_ratio/mean", "is_ratio_mean"),
+         ("sampling/importance_sampling_ratio/min", "is_ratio_min"),
+         ("sampling/importance_sampling_ratio/max", "is_ratio_max"),
+         ("sampling/sampling_logp_difference/mean", "logp_diff_mean"), ("clip_ratio/region_mean", "clip_ratio"))
+#: Paired over arms besides METRICS: the readout effect (served minus the master's best readout, within a run).
+DERIVED = ("readout_effect", "served_minus_sr")
 MECHANISM = ("faircast/lag_steps", "faircast/served_changed_frac", "faircast/bias_rel_cumulative")
 
 
@@ -39,6 +47,19 @@ def summarize_run(run: dict) -> dict:
     out["reward_last"] = _mean([s["reward"] for s in tail])
     live = live_lag_cost([(s["step"], s.get("reward"), s.get("faircast/lag_steps")) for s in steps])
     out["lag_cost_live"] = _mean([v for _, v in _tail(live)]) if live else float("nan")
+    # the readout split: the master's best readout (fp32 forward, or RTN/SR/sticky through the engine) against the
+    # served copy, within the run
+    readouts = {"master": out["master_expected"], **{r: out[f"{r}_expected"] for r in READOUTS}}
+    finite = {k: v for k, v in readouts.items() if not math.isnan(v)}
+    out["readout_best"] = max(finite.values()) if finite else float("nan")
+    out["readout_best_kind"] = max(finite, key=finite.get) if finite else None
+    out["readout_effect"] = out["served_expected"] - out["readout_best"]
+    out["served_minus_sr"] = out["served_expected"] - out["sr_expected"]
+    for kind in READOUTS:  # the readout that is, by construction, the arm's own export must be it bit for bit
+        flags = [e[f"{kind}_is_served"] for e in evals if f"{kind}_is_served" in e]
+        out[f"{kind}_is_served"] = all(flags) if flags else None
+    for key, name in NOISE:
+        out[name] = _mean([s.get(key) for s in steps])
     half = evals[len(evals) // 2:]  # learning slope of the served copy over the second half of the run
     fitted = slope([(e["step"], e["served_expected"]) for e in half])
     out["slope_per_step"] = float("nan") if fitted is None else fitted
@@ -89,11 +110,12 @@ def build(out: str, proto, provenance: dict, ws_info: Optional[dict], failed: Se
     arms = [a for a in proto.arms if any(s["arm"] == a for s in summaries)]
     pairs = stats.default_pairs(arms, proto.baseline, extra=[tuple(p) for p in proto.pairs])
     comparisons = {}
-    for metric in METRICS:
+    for metric in (*METRICS, *DERIVED):
         values = stats.by_arm_seed([(s["arm"], s["seed"], s[metric]) for s in summaries])
         comparisons[metric] = [stats.compare(a, b, values).as_dict() for a, b in pairs]
     results = {
-        "protocol": proto.as_dict(), "protocol_provenance": provenance, "warm_start": ws_info, "meta": meta,
+        "protocol": proto.as_dict(), "compute": proto.compute, "code": meta.get("code"),
+        "run_code": [json.loads(c) for c in sorted({json.dumps(r.get("code"), sort_keys=True) for r in runs})], "protocol_provenance": provenance, "warm_start": ws_info, "meta": meta,
         "failed_runs": list(failed), "missing_runs": [f"{a} seed {s}" for a in proto.arms for s in proto.seeds
                                                       if not any(r["arm"] == a and r["seed"] == s for r in summaries)],
         "runs": summaries, "comparisons": comparisons, "lag_cost": lag_cost(summaries),
@@ -131,6 +153,72 @@ def _arm_table(results: dict, proto) -> str:
     return "\n".join(rows)
 
 
+def _pairs_table(results: dict, metric: str) -> str:
+    res = [stats.PairResult(**{k: v for k, v in c.items() if k != "ci_contains_zero"})
+           for c in results["comparisons"][metric]]
+    return stats.table(res)
+
+
+def _ms(xs, scale=100.0, digits=2) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return ""
+    sd = stats._sd(xs) if len(xs) > 1 else float("nan")
+    return f"{scale * _mean(xs):.{digits}f}" + ("" if math.isnan(sd) else f" ± {scale * sd:.{digits}f}")
+
+
+def _readout_table(results: dict, proto) -> str:
+    rows = ["| arm | served | master (fp32 forward) | RTN(master) | SR(master) | sticky(master) | best readout | "
+            "readout effect: served - best (points) | served - SR (points) | checks |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in proto.arms:
+        ss = [s for s in results["runs"] if s["arm"] == arm]
+        if not ss:
+            continue
+        kinds = sorted({s["readout_best_kind"] for s in ss if s.get("readout_best_kind")})
+        checks = ", ".join(f"{k} = served" for k in READOUTS if ss and all(s.get(f"{k}_is_served") for s in ss))
+        rows.append(f"| {arm} | {_ms([s['served_expected'] for s in ss])} | {_ms([s['master_expected'] for s in ss])} | "
+                    + " | ".join(_ms([s[f"{k}_expected"] for s in ss]) for k in READOUTS)
+                    + f" | {'/'.join(kinds)} | {_ms([s['readout_effect'] for s in ss], digits=3)} | "
+                    f"{_ms([s['served_minus_sr'] for s in ss], digits=3)} | {checks} |")
+    return "\n".join(rows)
+
+
+def _noise_table(results: dict, proto) -> str:
+    rows = ["| arm | grad norm | Adam v mean | IS ratio mean [min, max] | logp diff (engine vs trainer) | clip ratio |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for arm in proto.arms:
+        ss = [s for s in results["runs"] if s["arm"] == arm]
+        if not ss:
+            continue
+        g = lambda k: _mean([s.get(k, float("nan")) for s in ss])  # noqa: E731
+        rows.append(f"| {arm} | {g('grad_norm'):.4g} | {g('adam_v_mean'):.4g} | {g('is_ratio_mean'):.5f} "
+                    f"[{g('is_ratio_min'):.4f}, {g('is_ratio_max'):.4f}] | {g('logp_diff_mean'):.3g} | "
+                    f"{g('clip_ratio'):.3g} |")
+    return "\n".join(rows)
+
+
+def _effect_sections(results: dict, proto) -> List[str]:
+    """The two effects, reported apart: what each arm's master learned (compared between arms at a fixed readout),
+    and how the arm's served copy reads that master out (within an arm)."""
+    have_readouts = any(not math.isnan(s.get("sr_expected", float("nan"))) for s in results["runs"])
+    lines = ["## Learning effect: what the masters learned (between arms)", "",
+             "The fp32 master of each arm, read out the same way in every arm: its fp32 forward, and SR(master) "
+             "through the engine (keyed by the run seed and the weight version in every arm, so the rounding draw is "
+             "paired too). A difference here is a difference in what training produced.", "",
+             "fp32 master (fp32 forward), exact expected success:", "", _pairs_table(results, "master_expected"), ""]
+    if have_readouts:
+        lines += ["SR(master) through the engine:", "", _pairs_table(results, "sr_expected"), "",
+                  "## Readout effect: the served copy against the master's best readout (within each arm)", "",
+                  "Mean ± sd over seeds of the final figures (expected success, %). The readout effect is what "
+                  "evaluating the served copy instead of the best copy of the same master gains (> 0) or loses (< 0); "
+                  "it says nothing about learning.", "", _readout_table(results, proto), "",
+                  "Readout effect, paired between arms:", "", _pairs_table(results, "readout_effect"), ""]
+    lines += ["## Noise: gradient, optimizer and importance-sampling statistics (mean over each run's steps)", "",
+              _noise_table(results, proto), ""]
+    return lines
+
+
 def markdown(results: dict, proto) -> str:
     prov, meta, ws = results["protocol_provenance"], results["meta"], results["warm_start"]
     lines = [f"# A/B report: {proto.name}", "",
@@ -139,6 +227,13 @@ def markdown(results: dict, proto) -> str:
              f"Protocol: `{os.path.basename(prov.get('path', ''))}`, sha256 `{prov.get('sha256', '')[:16]}`, "
              f"commit `{prov.get('commit')}`" + ("" if prov.get("committed_unchanged") else
                                                   " (**not committed as run: exploratory**)") + ".", ""]
+    code = meta.get("code") or {}
+    lines += [f"Compute: **{proto.compute}** (trainer); code commit `{code.get('commit')}`"
+              + (" (**dirty tree**: " + ", ".join(code.get("changed", [])[:5]) + ")" if code.get("dirty") else "")
+              + f"; versions: " + ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items()) + ".", ""]
+    if len(results.get("run_code", [])) > 1:
+        lines += ["**The runs come from more than one code state** (resumed across a change): "
+                  + "; ".join(f"`{c.get('commit')}` dirty={c.get('dirty')}" for c in results["run_code"]), ""]
     if proto.description:
         lines += [proto.description, ""]
     if ws:
@@ -154,6 +249,7 @@ def markdown(results: dict, proto) -> str:
         lines += [f"**Runs that failed: {', '.join(results['failed_runs']) or 'none'}; missing: "
                   f"{', '.join(results['missing_runs']) or 'none'}.**", ""]
     lines += ["## Every arm (mean ± sd over seeds)", "", _arm_table(results, proto), ""]
+    lines += _effect_sections(results, proto)
     for metric, title in (("served_expected", "primary: exact expected success of the served copy"),
                           ("served_greedy", "greedy success of the served copy"),
                           ("served_sampled", "sampled success of the served copy (temperature 1)"),

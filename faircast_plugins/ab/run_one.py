@@ -10,9 +10,14 @@ What the run records (``OUT.json``, written at the end, atomically):
 
 * every step: the reward, and what the engine actually received at each weight sync, measured against the fp32
   master with the package's audit (lag in steps, served elements changed, bias);
+* every step: every number TRL logs (the gradient norm, the importance-sampling ratio statistics of
+  ``sampling/*``, the clip ratios, ...) and the mean of Adam's second moment over all parameters;
 * every eval point: the served copy's held-out success *through the engine* (exact expected success from the
-  prompt log-probs of the answer, greedy success from their ranks, and sampled success at temperature 1), and the
-  fp32 master's exact expected and greedy success.
+  prompt log-probs of the answer, greedy success from their ranks, and sampled success at temperature 1), the
+  fp32 master's exact expected and greedy success (an fp32 forward), and, with ``readouts``, the master read out
+  through the same engine as round-to-nearest, stochastic and sticky copies (``rtn_*``, ``sr_*``, ``sticky_*``);
+  after them the engine gets back exactly the arm's own copy (checked bit for bit), so training is untouched;
+* what defines the run: the compute dtype, TRL's whole configuration, the code's commit and dirty state, versions.
 """
 from __future__ import annotations
 
@@ -32,9 +37,11 @@ import torch
 
 from ..audit import Audit
 from ..cast import fair_cast
-from ..key import canonical_name, derive_key
+from ..key import canonical_name, derive_key, sticky_key
 from ..vllm_cpu import keep_weights_reloadable
 from .arms import parse_arm
+from .protocol import READOUTS
+from .provenance import code_provenance, versions
 from .scoring import Encoded, encode, score_model, summarize
 
 
@@ -60,6 +67,7 @@ class EngineExport:
         self.trainer, self.arm, self.fc_seed = trainer, arm, fc_seed
         self.audit = Audit(audit_sample)
         self.history: "OrderedDict[int, Dict[str, torch.Tensor]]" = OrderedDict()  # fp32-delayed: step -> masters
+        self.last_sent: List[Tuple[str, torch.Tensor]] = []  # the last sync, as sent: readouts restore it
         gen = trainer.vllm_generation
         self.original = gen._iter_named_params
         gen._iter_named_params = self.iterate
@@ -80,8 +88,10 @@ class EngineExport:
             self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
             while len(self.history) > self.arm.delay + 1:
                 self.history.popitem(last=False)
+        self.last_sent = []
         for name, exported in self.original(*args, **kwargs):
             served = self._served(step, masters, name, exported)
+            self.last_sent.append((name, served.detach().clone()))
             cname = canonical_name(name)
             # what the engine holds: vLLM copies the tensor into its weights (fp32 -> bf16 rounds to nearest)
             held = served.detach().to(getattr(torch, self.arm.engine_dtype))
@@ -92,14 +102,28 @@ class EngineExport:
         return self.audit.metrics()
 
 
-class EngineEval:
-    """Held-out success of the served copy through the engine, and of the fp32 master through an HF forward."""
+def readout_copy(kind: str, master: torch.Tensor, seed: int, step: int, cname: str) -> torch.Tensor:
+    """The bf16 copy of ``master`` that readout ``kind`` serves at weight version ``step``."""
+    master = master.detach().contiguous()
+    if kind == "rtn":
+        return master.to(torch.bfloat16)
+    if kind == "sr":
+        return fair_cast(master, key=derive_key(seed, step, cname))
+    if kind == "sticky":
+        return fair_cast(master, key=sticky_key(seed, cname), mode="sticky")
+    raise ValueError(f"unknown readout {kind!r}; readouts: {', '.join(READOUTS)}")
 
-    def __init__(self, trainer, enc: Encoded, model_dir: str, seed: int):
+
+class EngineEval:
+    """Held-out success through the engine (the served copy, and readouts of the master), and of the fp32 master
+    through an HF forward."""
+
+    def __init__(self, trainer, enc: Encoded, model_dir: str, seed: int, engine_dtype: str):
         from transformers import AutoModelForCausalLM
         from vllm import SamplingParams
 
         self.trainer, self.enc, self.seed = trainer, enc, seed
+        self.engine_dtype = getattr(torch, engine_dtype)
         device = next(trainer.accelerator.unwrap_model(trainer.model).parameters()).device
         self.master_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.scored = [{"prompt_token_ids": p + a} for p, a in zip(enc.prompt_ids, enc.answer_ids)]
@@ -107,10 +131,23 @@ class EngineEval:
         self.n_ans = [len(a) for a in enc.answer_ids]
         self.SamplingParams = SamplingParams
 
-    def served(self, step: int) -> dict:
-        llm = self.trainer.vllm_generation.llm
+    @property
+    def llm(self):
+        return self.trainer.vllm_generation.llm
+
+    def _engine_model(self):
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def _load(self, tensors: List[Tuple[str, torch.Tensor]]) -> None:
+        model = self._engine_model()
+        for name, t in tensors:
+            model.load_weights([(name, t)])
+        self.llm.reset_prefix_cache()
+
+    def score(self) -> dict:
+        """Exact expected and greedy success of what the engine holds now (teacher-forced prompt log-probs)."""
         sp = self.SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=1.0, seed=self.seed)
-        outs = llm.generate(self.scored, sp, use_tqdm=False)
+        outs = self.llm.generate(self.scored, sp, use_tqdm=False)
         logprobs, greedy = [], []
         for out, ids, n in zip(outs, self.scored, self.n_ans):
             toks = ids["prompt_token_ids"]
@@ -121,16 +158,56 @@ class EngineEval:
                 ok = ok and entry.rank == 1
             logprobs.append(lp)
             greedy.append(ok)
-        res = summarize(logprobs, greedy)
+        return summarize(logprobs, greedy)
+
+    def served(self, step: int) -> dict:
+        res = self.score()
         sp = self.SamplingParams(max_tokens=max(self.n_ans), temperature=1.0, seed=self.seed * 100_003 + step)
-        outs = llm.generate(self.prompts, sp, use_tqdm=False)
+        outs = self.llm.generate(self.prompts, sp, use_tqdm=False)
         hits = [list(o.outputs[0].token_ids[:len(a)]) == a for o, a in zip(outs, self.enc.answer_ids)]
         res["sampled"] = sum(hits) / len(hits)
         return res
 
+    def readouts(self, step: int, sent: List[Tuple[str, torch.Tensor]]) -> dict:
+        """Each readout of the current fp32 master scored through the engine, then the engine gets ``sent`` (the
+        arm's own last sync) back; raises if any engine weight then differs from before, bit for bit.
+
+        ``{kind}_is_served`` says whether that readout is, bit for bit, what the arm serves (``rtn`` for the
+        standard export, ``sr`` for ``faircast``): a check that the readout and the export agree on the contract."""
+        if not sent:
+            raise RuntimeError("readouts need a weight sync first (the engine has received nothing)")
+        before = {n: p.detach().clone() for n, p in self._engine_model().named_parameters()}
+        masters = _masters(self.trainer)
+        out = {}
+        for kind in READOUTS:
+            copy = [(name, readout_copy(kind, masters[canonical_name(name)], self.seed, step, canonical_name(name)))
+                    for name, _ in sent]
+            self._load(copy)
+            out.update({f"{kind}_{k}": v for k, v in self.score().items()})
+            out[f"{kind}_is_served"] = all(torch.equal(c.to(self.engine_dtype), s.to(self.engine_dtype))
+                                           for (_, c), (_, s) in zip(copy, sent))
+        self._load(sent)
+        after = dict(self._engine_model().named_parameters())
+        changed = [n for n, t in before.items() if not torch.equal(t, after[n].detach())]
+        if changed:
+            raise RuntimeError(f"the engine did not get its own weights back after the readouts: {changed[:3]}")
+        return out
+
     def master(self) -> dict:
         self.master_model.load_state_dict(_masters(self.trainer), strict=True)
         return score_model(self.master_model, self.enc)
+
+
+def adam_second_moment_mean(optimizer) -> float:
+    """The mean of Adam's ``exp_avg_sq`` over every parameter element (NaN before the first step)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    total, count = 0.0, 0
+    for state in opt.state.values():
+        v = state.get("exp_avg_sq")
+        if v is not None:
+            total += float(v.double().sum())
+            count += v.numel()
+    return total / count if count else float("nan")
 
 
 def run(spec: dict) -> dict:
@@ -162,15 +239,25 @@ def run(spec: dict) -> dict:
         return engine_llm(*args, **{**kwargs, "seed": seed, "dtype": arm.engine_dtype})
 
     vllm_generation.LLM = llm_for_arm
-    cuda = torch.cuda.is_available()  # on GPUs: bf16 compute, as real runs use; on CPU: fp32 compute
+    compute = spec["compute"]
+    if compute not in ("bf16-autocast", "fp32"):
+        raise ValueError(f"spec compute must be 'bf16-autocast' or 'fp32', got {compute!r}")
+    cuda = torch.cuda.is_available()
     steps, eval_every = int(spec["steps"]), int(spec["eval_every"])
     label = f"{arm.name} seed {seed}"
+    # Every knob that defines the run is passed explicitly; TRL's whole resolved configuration is recorded.
     config = GRPOConfig(
         output_dir=os.path.join(spec["workdir"], "trl"), max_steps=steps, learning_rate=lr,
-        lr_scheduler_type="constant", warmup_steps=0, per_device_train_batch_size=spec["prompts_per_step"] *
-        spec["generations"], num_generations=spec["generations"], max_completion_length=n_answer_tokens,
-        temperature=1.0, beta=0.0, use_cpu=not cuda, bf16=cuda, report_to="none", save_strategy="no", logging_steps=1,
-        seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True,
+        lr_scheduler_type=spec["lr_schedule"], warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch_fused",
+        per_device_train_batch_size=spec["prompts_per_step"] * spec["generations"],
+        num_generations=spec["generations"], max_completion_length=n_answer_tokens,
+        num_iterations=spec["num_iterations"], steps_per_generation=spec["steps_per_generation"],
+        epsilon=spec["epsilon"], loss_type=spec["loss_type"], scale_rewards="group",
+        vllm_importance_sampling_correction=spec["is_correction"], vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_clip_max=3.0,
+        temperature=1.0, beta=0.0, use_cpu=not cuda, bf16=compute == "bf16-autocast", fp16=False, report_to="none",
+        save_strategy="no", logging_steps=1, seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
         faircast=arm.faircast, faircast_mode=arm.mode, faircast_seed=fc_seed, faircast_audit=False,
     )
@@ -183,7 +270,9 @@ def run(spec: dict) -> dict:
     class Recorder(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                records.append({"step": state.global_step, "reward": logs["reward"], **export.metrics()})
+                logged = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                records.append({**logged, "step": state.global_step, "adam_v_mean": adam_second_moment_mean(
+                    trainer.optimizer), **export.metrics()})
 
         def on_step_end(self, args, state, control, **kwargs):
             step = state.global_step
@@ -192,20 +281,32 @@ def run(spec: dict) -> dict:
                 trainer._last_loaded_step = step
                 row = {"step": step, **{f"served_{k}": v for k, v in evaluator.served(step).items()},
                        **{f"master_{k}": v for k, v in evaluator.master().items()}}
+                if spec["readouts"]:
+                    row.update(evaluator.readouts(step, export.last_sent))
                 evals.append(row)
                 lag = records[-1].get("faircast/lag_steps", float("nan")) if records else float("nan")
+                extra = (f"  sr {row['sr_expected']:.4f}  rtn {row['rtn_expected']:.4f}" if spec["readouts"] else "")
                 print(f"  [{label}] step {step:>4}/{steps}  served expected {row['served_expected']:.4f}  "
-                      f"greedy {row['served_greedy']:.3f}  master expected {row['master_expected']:.4f}  "
+                      f"greedy {row['served_greedy']:.3f}  master expected {row['master_expected']:.4f}{extra}  "
                       f"lag {lag:6.1f}  ({time.time() - start:.0f} s)", flush=True)
 
     trainer = GRPOTrainer(model=model_dir, reward_funcs=make_reward(answers), args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Recorder()])
     trainer.remove_callback(PrinterCallback)
+    mixed = str(trainer.accelerator.mixed_precision)
+    if mixed != ("bf16" if compute == "bf16-autocast" else "no"):
+        raise RuntimeError(f"compute {compute!r} asked for, but accelerate runs mixed_precision={mixed!r}")
     export = EngineExport(trainer, arm, fc_seed, int(spec.get("audit_sample", 4096)))
-    evaluator = EngineEval(trainer, enc, model_dir, seed)
+    evaluator = EngineEval(trainer, enc, model_dir, seed, arm.engine_dtype)
     trainer.train()
     return {"spec": {k: v for k, v in spec.items() if k not in ("train", "heldout")}, "arm": arm.name,
-            "seed": seed, "lr": lr, "steps": records, "evals": evals, "wall_s": time.time() - start}
+            "seed": seed, "lr": lr, "compute": compute, "mixed_precision": mixed, "code": code_provenance(),
+            "versions": versions(), "trl_config": _jsonable(config.to_dict()), "steps": records, "evals": evals,
+            "wall_s": time.time() - start}
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for k, v in d.items()}
 
 
 def main(argv=None) -> int:

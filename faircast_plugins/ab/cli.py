@@ -91,6 +91,10 @@ def add_ab_stats_arguments(p) -> None:
     p.add_argument("--reward-key", default="reward",
                    help="the training reward column, for the lag-cost estimate where runs logged faircast/lag_steps")
     p.add_argument("--step-key", help=f"the step column (default: the first of {', '.join(STEP_KEYS)} present)")
+    p.add_argument("--master-metric", metavar="COLUMN",
+                   help="the same evaluation of each run's fp32 master (or another fixed readout of it, e.g. an "
+                        "unbiased export): the report then splits the learning effect (this column, between arms) "
+                        "from the readout effect (--metric minus this column, within each run)")
 
 
 def read_metrics(path: str) -> List[dict]:
@@ -136,7 +140,7 @@ def _points(rows: List[dict], metric: str, step_key: Optional[str], path: str) -
 def run_ab_stats(args) -> int:
     from .report import live_lag_cost
 
-    finals, lags, costs = [], [], []
+    finals, masters, lags, costs = [], [], [], []
     for item in args.run:
         try:
             arm, seed, path = item.split(":", 2)
@@ -145,6 +149,9 @@ def run_ab_stats(args) -> int:
             raise SystemExit(f"faircast ab-stats: --run takes ARM:SEED:FILE, got {item!r}") from None
         rows = read_metrics(path)
         finals.append((arm, seed, stats.final_value(_points(rows, args.metric, args.step_key, path), args.tail)))
+        if args.master_metric:
+            masters.append((arm, seed, stats.final_value(_points(rows, args.master_metric, args.step_key, path),
+                                                         args.tail)))
         lag = _lag_points(rows, args.step_key)
         if lag:
             lags.append((arm, seed, stats.final_value(lag, args.tail)))
@@ -175,7 +182,27 @@ def run_ab_stats(args) -> int:
               + (f", lag cost {sum(cost) / len(cost):+.4f} {args.reward_key} (lag x its slope)" if cost else ""))
     print()
     print(stats.table([stats.compare(a, b, values) for a, b in pairs], scale=1.0, unit=args.metric))
+    if masters:
+        _print_effect_split(args, finals, masters, pairs, arms)
     return 0
+
+
+def _print_effect_split(args, finals, masters, pairs, arms) -> None:
+    """The learning effect (the master's metric, between arms) apart from the readout effect (served minus master,
+    within each run, then compared between arms)."""
+    master = stats.by_arm_seed(masters)
+    served = stats.by_arm_seed(finals)
+    readout = stats.by_arm_seed([(a, s, served[a][s] - master[a][s]) for a, s, _ in masters if s in served.get(a, {})])
+    print(f"\nLearning effect: what the masters learned ({args.master_metric}, between arms)\n")
+    print(stats.table([stats.compare(a, b, master) for a, b in pairs], scale=1.0, unit=args.master_metric))
+    print(f"\nReadout effect: {args.metric} - {args.master_metric} within each run (how the served copy reads its "
+          f"master out)\n")
+    for arm in arms:
+        xs = list(readout.get(arm, {}).values())
+        if xs:
+            print(f"  {arm}: {len(xs)} seeds, mean {sum(xs) / len(xs):+.4f}")
+    print()
+    print(stats.table([stats.compare(a, b, readout) for a, b in pairs], scale=1.0, unit="readout effect"))
 
 
 def _reward_lag_rows(rows, step_key, reward_key):

@@ -4,8 +4,9 @@ A task is a list of :class:`Problem` (``prompt``, ``answer``) split into trainin
 means the completion starts with the answer (after stripping whitespace), so a policy's *expected* success on a
 prompt is exactly the teacher-forced probability of the answer's tokens: the A/B's low-noise metric.
 
-Built in (no downloads): ``add2``, two-digit addition with a zero-padded three-digit answer (``37+45=`` ->
-``082``), 12 symbols. A user's own task: a jsonl file with ``prompt`` and ``answer`` fields (see
+Built in (no downloads), 12 symbols: ``add2``, two-digit addition with a zero-padded three-digit answer (``37+45=``
+-> ``082``); ``add3`` and ``add4``, the same with three and four digits (answers of 4 and 5 tokens: a per-token
+mismatch between the served and master policies compounds over more tokens), 20,000 problems drawn from all of them. A user's own task: a jsonl file with ``prompt`` and ``answer`` fields (see
 :func:`load_jsonl`).
 """
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 EOS = "<|endoftext|>"
-TASKS = ("add2",)
+TASKS = ("add2", "add3", "add4")
+#: Problems drawn for the tasks with too many to list (add3: 10**6, add4: 10**8).
+SAMPLED_PROBLEMS = 20_000
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,19 @@ def add2_problems(seed: int = 0, heldout: int = 1000) -> Tuple[List[Problem], Li
     return problems[heldout:], problems[:heldout]
 
 
+def add_problems(digits: int, seed: int = 0, heldout: int = 1000) -> Tuple[List[Problem], List[Problem]]:
+    """``SAMPLED_PROBLEMS`` distinct ``digits``-digit additions drawn with ``seed``; the first ``heldout`` held out."""
+    n = 10 ** digits
+    picks = random.Random(seed).sample(range(n * n), SAMPLED_PROBLEMS)
+    problems = [Problem(f"{i // n:0{digits}d}+{i % n:0{digits}d}=", f"{i // n + i % n:0{digits + 1}d}") for i in picks]
+    return problems[heldout:], problems[:heldout]
+
+
 def task_problems(task: str, seed: int = 0, heldout: int = 1000) -> Tuple[List[Problem], List[Problem]]:
     if task == "add2":
         return add2_problems(seed, heldout)
+    if task in ("add3", "add4"):
+        return add_problems(int(task[3]), seed, heldout)
     raise ValueError(f"unknown A/B task {task!r}; built in: {', '.join(TASKS)} (or --dataset FILE.jsonl)")
 
 

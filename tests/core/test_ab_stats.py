@@ -146,6 +146,65 @@ def test_ab_stats_reads_runs_from_a_logger(tmp_path, capsys):
     assert "lag cost +0.0200 reward" in out  # lag 10 x reward slope 0.002 per step (the jsonl runs log a reward)
 
 
+def test_ab_stats_splits_the_learning_effect_from_the_readout_effect(tmp_path, capsys):
+    """Where the runs logged their master's evaluation too: same masters in both arms (no learning effect), the
+    standard arm's served copy 0.004 below its master (a readout effect)."""
+    runs = []
+    for seed in range(6):
+        for arm, lag in (("standard", 0.004), ("faircast", 0.0)):
+            f = tmp_path / f"{arm}{seed}.jsonl"
+            f.write_text("".join(json.dumps({"step": s, "eval/master": 0.3 + 0.001 * s + 0.01 * seed,
+                                             "eval/served": 0.3 + 0.001 * s + 0.01 * seed - lag}) + "\n"
+                                 for s in range(0, 100, 10)))
+            runs += ["--run", f"{arm}:{seed}:{f}"]
+    assert faircast(["ab-stats", "--metric", "eval/served", "--master-metric", "eval/master", *runs]) == 0
+    out = capsys.readouterr().out
+    learning, readout = out.split("Learning effect")[1].split("Readout effect")
+    assert "| faircast vs standard | 6 | 0/6/0 | +0.000 |" in learning
+    assert "| faircast vs standard | 6 | 6/0/0 | +0.004 |" in readout and "standard: 6 seeds, mean -0.0040" in readout
+    with pytest.raises(SystemExit, match="no values of 'eval/none'"):
+        faircast(["ab-stats", "--metric", "eval/served", "--master-metric", "eval/none", *runs])
+
+
+def test_protocol_names_its_compute_and_grpo_knobs(tmp_path):
+    """A protocol must say how the trainer computes (never a framework default); the GRPO knobs are checked."""
+    base = {"name": "x", "arms": ["standard"], "compute": "fp32"}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({k: v for k, v in base.items() if k != "compute"}))
+    with pytest.raises(ValueError, match="compute must be one of bf16-autocast, fp32"):
+        load(path=str(f))
+    for bad, match in (({"compute": "bf16"}, "compute must be one of"), ({"lr_schedule": "step"}, "lr_schedule"),
+                       ({"num_iterations": 0}, "num_iterations"), ({"epsilon": 1.5}, "epsilon"),
+                       ({"readouts": False, "metric": "sr_expected"}, "needs readouts")):
+        f.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ValueError, match=match):
+            load(path=str(f))
+    f.write_text(json.dumps({**base, "num_iterations": 4, "lr_schedule": "cosine", "metric": "sr_expected"}))
+    proto = load(path=str(f))
+    assert proto.num_iterations == 4 and proto.compute == "fp32"
+    assert load(preset="cpu").compute == "bf16-autocast"  # what the committed CPU run ran under (TRL's bf16 default)
+
+
+def test_longer_addition_tasks():
+    for task, digits in (("add3", 3), ("add4", 4)):
+        train, held = task_problems(task, seed=0, heldout=500)
+        assert len(train) + len(held) == 20_000 and not {p.prompt for p in train} & {p.prompt for p in held}
+        for p in held[:50]:
+            a, b = map(int, p.prompt[:-1].split("+"))
+            assert len(p.prompt) == 2 * digits + 2 and p.answer == f"{a + b:0{digits + 1}d}"
+        assert task_problems(task, seed=0, heldout=500)[1] == held  # the same draw every time
+
+
+def test_code_provenance_names_the_commit_and_dirty_state():
+    from faircast_plugins.ab.provenance import code_provenance, versions
+
+    code = code_provenance()
+    assert set(code) == {"commit", "dirty", "changed"}
+    if code["commit"] is not None:  # run from a checkout (not from the installed wheel)
+        assert len(code["commit"]) == 40 and isinstance(code["dirty"], bool)
+    assert "torch" in versions()
+
+
 def test_ab_stats_bad_input_is_a_clear_error(tmp_path):
     f = tmp_path / "r.jsonl"
     _write_run(f, [(0, 0.1, 0.0)], "jsonl")

@@ -34,7 +34,29 @@ def test_smoke_reports_every_arm_and_seed(smoke):
         assert [e["step"] for e in curve["evals"]] == [2, 4], key
     pairs = {(c["a"], c["b"]) for c in res["comparisons"]["served_expected"]}
     assert pairs == {("faircast-aa", "faircast"), ("faircast", "standard"), ("fp32-delayed@2", "standard")}
+    # what defines the run is recorded, never left to a framework default
+    assert res["compute"] == res["protocol"]["compute"] == "fp32"
+    assert res["code"]["commit"] and isinstance(res["code"]["dirty"], bool) and res["meta"]["versions"]["trl"]
+    for arm in ARMS:
+        run = json.loads((out / "runs" / arm / "seed0.json").read_text())
+        assert run["compute"] == "fp32" and run["mixed_precision"] == "no" and run["code"] == res["code"]
+        assert run["trl_config"]["bf16"] is False and run["trl_config"]["optim"] == "adamw_torch_fused"
+        step = run["steps"][-1]
+        for key in ("grad_norm", "adam_v_mean", "sampling/importance_sampling_ratio/mean", "faircast/lag_steps"):
+            assert key in step, key
+        for e in run["evals"]:
+            for kind in ("rtn", "sr", "sticky"):
+                assert 0.0 <= e[f"{kind}_expected"] <= 1.0 and isinstance(e[f"{kind}_is_served"], bool)
+    for r in res["runs"]:
+        assert math.isfinite(r["readout_effect"]) and r["readout_best_kind"] in ("master", "rtn", "sr", "sticky")
+        # each readout agrees with the arm's own export where the contract says they are the same copy
+        assert r["rtn_is_served"] is (r["arm"] == "standard")
+        assert r["sr_is_served"] is (r["arm"] == "faircast")
+        assert r["sticky_is_served"] is False
+    assert {"readout_effect", "served_minus_sr", "sr_expected", "master_expected"} <= set(res["comparisons"])
     report = (out / "report.md").read_text()
+    assert "## Learning effect" in report and "## Readout effect" in report and "## Noise" in report
+    assert "Compute: **fp32**" in report
     assert "A/A control" in report and "## Paired: primary" in report and "exploratory" not in report.split("\n")[4]
     assert os.path.getsize(out / "curves.png") > 5000
     assert "[8/8]" in stdout and "served expected" in stdout  # progress lines

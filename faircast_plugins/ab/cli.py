@@ -43,7 +43,7 @@ def _ints(text: Optional[str]) -> Optional[List[int]]:
 
 
 def run_ab(args) -> int:
-    from .provenance import code_provenance, file_provenance, versions
+    from .provenance import code_provenance, file_provenance, machine, versions
     from .report import build
     from .runner import run_ab as run_grid
 
@@ -69,6 +69,7 @@ def run_ab(args) -> int:
     meta = {"command": "faircast ab " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
             "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_min": (time.time() - start) / 60, "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
+            "hardware": machine(),
             "versions": versions(), "code": code_provenance(), "compute": proto.compute}
     results = build(args.out, proto, provenance, ws_info, failed, meta)
     print(open(os.path.join(args.out, "report.md")).read())

@@ -61,3 +61,34 @@ def versions() -> Dict[str, str]:
         except md.PackageNotFoundError:
             pass
     return out
+
+
+#: CPU features that pick different fp32/bf16 kernels in torch (oneDNN/MKL): runs on machines that differ in them
+#: can differ in their last bits, and training amplifies that (docs/ab.md, the reproduction of the committed run).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def machine() -> dict:
+    """The CPU model, the ISA features that select torch's kernels, the core count, and the GPU if any."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    out = {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return out

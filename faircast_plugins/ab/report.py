@@ -230,7 +230,8 @@ def markdown(results: dict, proto) -> str:
     code = meta.get("code") or {}
     lines += [f"Compute: **{proto.compute}** (trainer); code commit `{code.get('commit')}`"
               + (" (**dirty tree**: " + ", ".join(code.get("changed", [])[:5]) + ")" if code.get("dirty") else "")
-              + f"; versions: " + ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items()) + ".", ""]
+              + "; versions: " + ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
+              + (f"; CPU {hw['cpu']} ({', '.join(hw['isa'])})" if (hw := meta.get("hardware")) else "") + ".", ""]
     if len(results.get("run_code", [])) > 1:
         lines += ["**The runs come from more than one code state** (resumed across a change): "
                   + "; ".join(f"`{c.get('commit')}` dirty={c.get('dirty')}" for c in results["run_code"]), ""]

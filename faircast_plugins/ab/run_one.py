@@ -41,7 +41,7 @@ from ..key import canonical_name, derive_key, sticky_key
 from ..vllm_cpu import keep_weights_reloadable
 from .arms import parse_arm
 from .protocol import READOUTS
-from .provenance import code_provenance, versions
+from .provenance import code_provenance, machine, versions
 from .scoring import Encoded, encode, score_model, summarize
 
 
@@ -301,7 +301,7 @@ def run(spec: dict) -> dict:
     trainer.train()
     return {"spec": {k: v for k, v in spec.items() if k not in ("train", "heldout")}, "arm": arm.name,
             "seed": seed, "lr": lr, "compute": compute, "mixed_precision": mixed, "code": code_provenance(),
-            "versions": versions(), "trl_config": _jsonable(config.to_dict()), "steps": records, "evals": evals,
+            "versions": versions(), "machine": machine(), "trl_config": _jsonable(config.to_dict()), "steps": records, "evals": evals,
             "wall_s": time.time() - start}
 
 

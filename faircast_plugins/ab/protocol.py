@@ -127,6 +127,8 @@ def load(preset: Optional[str] = None, path: Optional[str] = None, **overrides) 
     if unknown:
         raise ValueError(f"{path}: unknown protocol field(s) {unknown}")
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if overrides.get("arms") is not None:  # a subset of arms keeps the protocol's extra pairs that it still has
+        data["pairs"] = [p for p in data.get("pairs", []) if all(a in data["arms"] for a in p)]
     proto = Protocol(**data)
     proto.source = os.path.abspath(path)
     return proto

@@ -91,6 +91,8 @@ def test_presets_load_and_bad_protocols_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown A/B arm 'bogus'"):
         load(path=str(bad))
     assert load(preset="smoke", steps=9).steps == 9
+    subset = load(preset="cpu", arms=["standard", "faircast", "export-only"])  # as docs/ab.md shows
+    assert subset.pairs == [["faircast", "export-only"]]
     bad.write_text(json.dumps({"name": "x", "task": "chess"}))
     with pytest.raises(ValueError, match="unknown A/B task 'chess'"):
         load(path=str(bad))

@@ -43,8 +43,8 @@ def summarize_run(run: dict) -> dict:
     out["lag_steps_max"] = max((s.get("faircast/lag_steps", float("-inf")) for s in steps), default=float("nan"))
     out["served_changed_frac"] = _mean([s.get("faircast/served_changed_frac") for s in steps])
     out["bias_rel"] = steps[-1].get("faircast/bias_rel_cumulative", float("nan")) if steps else float("nan")
-    out["reward_first"] = _mean([s["reward"] for s in steps[:max(1, len(steps) // 5)]])
-    out["reward_last"] = _mean([s["reward"] for s in tail])
+    out["reward_first"] = _mean([s.get("reward") for s in steps[:max(1, len(steps) // 5)]])
+    out["reward_last"] = _mean([s.get("reward") for s in tail])
     live = live_lag_cost([(s["step"], s.get("reward"), s.get("faircast/lag_steps")) for s in steps])
     out["lag_cost_live"] = _mean([v for _, v in _tail(live)]) if live else float("nan")
     # the readout split: the master's best readout (fp32 forward, or RTN/SR/sticky through the engine) against the

@@ -98,6 +98,14 @@ class EngineExport:
             self.audit.observe(cname, step, masters[cname], held)
             yield name, served
 
+    def observe_held(self, step: int) -> None:
+        """At a version with no weight sync (several optimizer steps per generation batch): audit what the engine
+        still holds, the last sync, against the master of this version."""
+        masters = _masters(self.trainer)
+        for name, sent in self.last_sent:
+            cname = canonical_name(name)
+            self.audit.observe(cname, step, masters[cname], sent.to(getattr(torch, self.arm.engine_dtype)))
+
     def metrics(self) -> Dict[str, float]:
         return self.audit.metrics()
 
@@ -261,6 +269,7 @@ def run(spec: dict) -> dict:
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
         faircast=arm.faircast, faircast_mode=arm.mode, faircast_seed=fc_seed, faircast_audit=False,
     )
+    generate_every = spec["steps_per_generation"] * spec["num_iterations"]  # TRL syncs the engine this often
     answers = {p.prompt: p.answer for p in train}
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in train]})
     records: List[dict] = []
@@ -269,13 +278,15 @@ def run(spec: dict) -> dict:
 
     class Recorder(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
+            if logs and ("reward" in logs or "loss" in logs):  # every optimizer step (reward: generation steps)
                 logged = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 records.append({**logged, "step": state.global_step, "adam_v_mean": adam_second_moment_mean(
                     trainer.optimizer), **export.metrics()})
 
         def on_step_end(self, args, state, control, **kwargs):
             step = state.global_step
+            if step % generate_every and export.last_sent:  # no sync before the next step: the engine keeps its copy
+                export.observe_held(step)
             if step % eval_every == 0 or step == steps:
                 trainer.vllm_generation.sync_weights()  # what the engine would serve for the next rollout
                 trainer._last_loaded_step = step

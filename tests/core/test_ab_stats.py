@@ -187,6 +187,19 @@ def test_protocol_names_its_compute_and_grpo_knobs(tmp_path):
     assert load(preset="cpu").compute == "bf16-autocast"  # what the committed CPU run ran under (TRL's bf16 default)
 
 
+def test_exploration_protocols_load_and_say_they_are_exploration():
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ab", "explore")
+    files = sorted(glob.glob(os.path.join(root, "*.json")))
+    assert len(files) >= 8
+    for path in files:
+        proto = load(path=path)
+        assert proto.description.startswith("EXPLORATION") and proto.compute in ("bf16-autocast", "fp32"), path
+        assert os.path.basename(path) == proto.name + ".json"
+
+
 def test_longer_addition_tasks():
     for task, digits in (("add3", 3), ("add4", 4)):
         train, held = task_problems(task, seed=0, heldout=500)

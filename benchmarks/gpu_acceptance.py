@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,14 @@ def missing(part: Part) -> str | None:
     return None
 
 
+def die_with_parent() -> None:
+    """In the part's process before it starts (Linux): killed when this script dies, whatever kills it."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Run:
     """The merged record of every part, written to ``<out>/gpu_acceptance.json`` while the parts run."""
 
@@ -129,6 +138,15 @@ class Run:
         self.record = {"smoke": smoke, "budget_s": budget_s, "env": {}, "parts": {}, "skipped": [], "failed": [],
                        "finished": False}
         self.lock = threading.Lock()
+        self.current = None  # the part's process while one runs
+        self.stopped = None  # why the run was stopped from outside (a signal), if it was
+
+    def stop(self, signum, frame) -> None:
+        """SIGTERM/SIGINT (a time limit outside): end the running part; main() then starts no other one and writes
+        the record (nothing is written here: the signal may arrive in the middle of a write)."""
+        self.stopped = f"signal {signum} after {time.perf_counter() - self.start:.0f} s"
+        if self.current is not None and self.current.poll() is None:
+            self.current.kill()
 
     def left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.start)
@@ -190,13 +208,14 @@ class Run:
         say(f"=== {part.name}: {' '.join(cmd[1:])} (at most {limit:.0f} s)")
         t0 = time.perf_counter()
         entry["status"] = "running"
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=die_with_parent)
+        self.current = proc
         errors = collections.deque(maxlen=25)  # the last lines of its stderr, shown if it crashes
         console = REPORT_LINE.match if part.script == "gpu_adapters.py" else (lambda line: True)
-        readers = [threading.Thread(target=self.echo, args=(part.name, proc.stdout, console, collections.deque(maxlen=1)),
-                                    daemon=True),
-                   threading.Thread(target=self.echo, args=(part.name + " stderr", proc.stderr, lambda line: False,
-                                                            errors), daemon=True)]
+        streams = ((part.name, proc.stdout, console, collections.deque(maxlen=1)),
+                   (part.name + " stderr", proc.stderr, lambda line: False, errors))
+        readers = [threading.Thread(target=self.echo, args=args, daemon=True) for args in streams]
         for r in readers:
             r.start()
         while proc.poll() is None:
@@ -204,9 +223,14 @@ class Run:
                 proc.kill()
                 entry["status"], entry["why"] = "timed out", f"killed after {limit:.0f} s"
                 break
+            if self.stopped:
+                entry["status"], entry["why"] = "timed out", f"stopped from outside ({self.stopped})"
+                break
             self.write()
             time.sleep(5 if not self.smoke else 1)
         proc.wait()
+        if self.stopped and entry["status"] == "running":
+            entry["status"], entry["why"] = "timed out", f"stopped from outside ({self.stopped})"
         for r in readers:
             r.join(timeout=10)
         entry["seconds"] = round(time.perf_counter() - t0, 1)
@@ -226,6 +250,7 @@ class Run:
 
     def summary(self) -> int:
         self.record["finished"] = True
+        self.record["stopped"] = self.stopped
         self.record["seconds"] = round(time.perf_counter() - self.start, 1)
         self.write()
         say(f"=== summary: {self.record['seconds']} s of a {self.budget_s:.0f} s budget; results in {self.json_path}")
@@ -250,6 +275,8 @@ def main(argv=None) -> int:
         _ARGS.error(f"unknown part(s) {unknown}; the parts are {', '.join(p.name for p in PARTS)}")
     budget = args.budget_s if args.budget_s is not None else (1800.0 if args.cpu_smoke else 420.0)
     run = Run(args.out, budget, args.cpu_smoke)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, run.stop)
     run.record["env"] = environment()
     if not args.cpu_smoke and not run.record["env"]["cuda"]:
         run.write()
@@ -261,10 +288,12 @@ def main(argv=None) -> int:
         + f"; faircast_plugins from {env['faircast_plugins']}; budget {budget:.0f} s")
     run.write()
     for part in PARTS:
-        if part.name in chosen:
-            run.run_part(part)
-        else:
+        if part.name not in chosen:
             run.unselected.append({"what": part.name, "why": "not selected (--parts)"})
+        elif run.stopped:
+            run.unselected.append({"what": part.name, "why": f"not started: the run was stopped ({run.stopped})"})
+        else:
+            run.run_part(part)
     return run.summary()
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, ".."))
+sys.path.insert(0, REPO)  # the checkout's faircast_plugins, as the parts import it (their PYTHONPATH starts here)
 WHEELS = "on the device it travels as a wheel: bash benchmarks/gpu_wheels.sh, then carry .whl"
 
 

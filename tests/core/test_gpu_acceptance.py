@@ -29,3 +29,19 @@ def test_unknown_part_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--parts", "fsdp3", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown part(s) ['fsdp3']" in proc.stderr
+
+
+def test_the_documented_device_command_is_one_and_fits_the_tool():
+    """The one `run` command, as the script's docstring and docs/kernels.md give it: the same line, under the device
+    tool's 2000 characters, installing the carried wheels before the script runs."""
+    import re
+
+    pattern = re.compile(r"^ *(python3 -m pip install .*benchmarks/gpu_acceptance\.py.*)$", re.M)
+    with open(SCRIPT) as fh:
+        in_script = pattern.findall(fh.read())
+    with open(os.path.join(REPO, "docs", "kernels.md")) as fh:
+        in_docs = pattern.findall(fh.read())
+    assert len(in_script) == 1 and in_docs == in_script, (in_script, in_docs)
+    command = in_script[0]
+    assert len(command) < 2000
+    assert "--target /tmp/site .whl/*.whl" in command and "--no-index" in command and "$OUT" in command

@@ -127,51 +127,10 @@ def host(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def fsdp2_run(faircast: bool):
-    """Two SGD steps of the doctor's tiny model under ``fully_shard``: (forward weights, name, master, version)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from faircast_plugins.doctor.fsdp import _tiny_model
-    from faircast_plugins.fsdp import register_fsdp_module, unregister_fsdp_module
-
-    model = _tiny_model().to(DEV)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh(DEV.type, (1,))
-    layers = {model[0]: "0", model[2]: "2"}
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    caster = FairCaster(FairCastConfig(enabled=True, seed=SEED))
-    if faircast:
-        register_fsdp_module(model, caster)
-    seen = []  # (name, weight the forward computes with, version)
-
-    def record(module, args):
-        seen.extend((f"{layers[module]}.{n}", host(p), caster.version) for n, p in module.named_parameters(recurse=False))
-
-    hooks = [m.register_forward_pre_hook(record) for m in layers]
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    x = torch.randn(8, 48, generator=torch.Generator().manual_seed(1)).to(DEV)
-    masters = []
-    try:
-        for _ in range(STEPS):
-            masters.append({n: host(p.to_local()) for n, p in model.named_parameters()})
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            caster.advance()
-    finally:
-        for h in hooks:
-            h.remove()
-        if faircast:
-            unregister_fsdp_module(model)
-    return [(name, weight, masters[version][name], version) for name, weight, version in seen]
-
-
 def fsdp2_section() -> None:
     import torch.distributed as dist
 
+    from faircast_plugins.doctor.fsdp import sharded_forwards
     from faircast_plugins.fsdp import apply_fsdp_cast_patches
 
     patches = apply_fsdp_cast_patches()
@@ -179,7 +138,7 @@ def fsdp2_section() -> None:
     dist.init_process_group(BACKEND)
     try:
         for faircast in (True, False):
-            records = fsdp2_run(faircast)
+            records = sharded_forwards(DEV.type, faircast=faircast)  # the doctor's FSDP2 run, on this device
             check(f"fsdp2, Fair Cast {'on' if faircast else 'off'}: 4 parameters read in each of {STEPS} forwards",
                   len(records) == 4 * STEPS, f"{len(records)} reads")
             tally(f"FSDP2 forward weights ({BACKEND}, {DEV.type})", records, faircast=faircast)

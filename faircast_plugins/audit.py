@@ -29,12 +29,9 @@ the ratios, the one metrics reduction every adapter uses (so each reports the sa
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Dict, Optional
+from typing import Deque, Dict, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from .caster import FairCaster
 
 #: served dtype -> the integer dtype its bits are compared in
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -143,9 +140,11 @@ def finalize(t: Dict[str, float]) -> Dict[str, float]:
     return out
 
 
-def reduce_metrics(caster: "FairCaster", *, group=None, device=None) -> Dict[str, float]:
+def reduce_metrics(caster, *, group=None, device=None) -> Dict[str, float]:
     """``faircast/*`` metrics of ``caster`` since the last call, with the audit sums added over every rank of
-    ``group`` before the ratios: the one metrics reduction of every adapter.
+    ``group`` before the ratios: the one metrics reduction of every adapter. ``caster``: a
+    :class:`~faircast_plugins.caster.FairCaster` (read: its ``version`` and its :class:`Audit`; not imported here,
+    the caster sits above the audit).
 
     A collective when a process group is initialized and the audit is on: every rank must call it. Ranks that cast
     the same full tensors (DDP) give the same ratios as one; ranks that cast their own shards (FSDP, ZeRO) give

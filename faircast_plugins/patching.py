@@ -3,7 +3,8 @@
 One place for the three things each adapter needs:
 
 * a version guard (:func:`require_version`) that names the installed version when it refuses, with one explicit
-  opt-in for newer, unverified releases (:data:`ALLOW_UNVERIFIED_ENV`, gated by the ``faircast doctor`` self-check);
+  opt-in for newer, unverified releases (:data:`ALLOW_UNVERIFIED_ENV`, gated by :func:`self_check`, which runs
+  ``faircast doctor`` in a subprocess);
 * symbol resolution (:func:`resolve`) that fails loudly when a patch target is missing;
 * a :class:`PatchSet` that checks *every* target before touching any, installs wrappers, can undo them,
   and logs one loud activation line.
@@ -17,6 +18,8 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +54,52 @@ def unverified_allowed(distribution: str) -> bool:
     """True when :data:`ALLOW_UNVERIFIED_ENV` names ``distribution`` (or ``all``)."""
     names = {n.strip().lower() for n in os.environ.get(ALLOW_UNVERIFIED_ENV, "").split(",") if n.strip()}
     return "all" in names or distribution.lower() in names
+
+
+#: distribution -> the ``faircast doctor`` checks that run its patched path (names in
+#: :data:`faircast_plugins.doctor.CHECKS`): the releases :data:`ALLOW_UNVERIFIED_ENV` can allow, through :func:`self_check`
+FRAMEWORKS: dict[str, tuple[str, ...]] = {
+    "trl": ("trl",),
+    "verl": ("fsdp",),
+    "openrlhf": ("deepspeed",),
+    "deepspeed": ("deepspeed",),
+    "torch": ("fsdp",),
+}
+SELF_CHECK_TIMEOUT_S = 600
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+
+_passed: set = set()
+
+
+def self_check(distribution: str, version: str) -> None:
+    """The gate of :data:`ALLOW_UNVERIFIED_ENV`: ``faircast doctor DISTRIBUTION`` must pass on this stack (run once
+    per process, in a subprocess at world size 1, so the check's process group and patches never touch the
+    caller's). Raises :class:`FairCastPatchError` otherwise."""
+    if distribution not in FRAMEWORKS:
+        raise FairCastPatchError(
+            f"{ALLOW_UNVERIFIED_ENV} names {distribution}, but faircast doctor has no self-check for it, so an "
+            f"unverified {distribution} {version} cannot be allowed; install a verified release"
+        )
+    if distribution in _passed:
+        return
+    # A plain single process: a launcher's rank variables (torchrun, Ray, DeepSpeed) would make the checks join its
+    # process group.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    env[DOCTOR_ENV] = "1"
+    cmd = [sys.executable, "-m", "faircast_plugins.cli", "doctor", distribution]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SELF_CHECK_TIMEOUT_S)
+        failed, output = proc.returncode != 0, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        failed, output = True, f"timed out after {SELF_CHECK_TIMEOUT_S} s"
+    if failed:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise FairCastPatchError(
+            f"{ALLOW_UNVERIFIED_ENV} allows the unverified {distribution} {version}, but its self-check "
+            f"`faircast doctor {distribution}` failed on this stack, so Fair Cast refuses to run on it:\n{tail}"
+        )
+    _passed.add(distribution)
 
 
 def _newer_than_verified(version: str, specifier: str) -> bool:
@@ -194,8 +243,6 @@ class PatchSet:
     def _check_unverified(self) -> None:
         if os.environ.get(DOCTOR_ENV):
             return  # this is the doctor's process: it is the self-check
-        from .doctor import self_check  # the doctor, not the adapters, knows how to check each framework
-
         self_check(self.distribution, self.version)
         logger.warning(
             "Fair Cast UNVERIFIED: %s %s is outside the verified range %s%s; running because %s=%s, every patch "

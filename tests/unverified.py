@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from faircast_plugins import doctor, patching
+from faircast_plugins import patching
 
 
 def check_opt_in_runs_the_doctor(patch_set, newer: str, monkeypatch, caplog) -> None:
     real = patching.installed_version
     monkeypatch.setattr(patching, "installed_version",
                         lambda dist: newer if dist == patch_set.distribution else real(dist))
-    monkeypatch.setattr(doctor, "_passed", set())
+    monkeypatch.setattr(patching, "_passed", set())
     monkeypatch.setattr(patch_set, "version", patch_set.version)
     monkeypatch.setattr(patch_set, "verified", patch_set.verified)
     monkeypatch.delenv(patching.DOCTOR_ENV, raising=False)
@@ -25,5 +25,5 @@ def check_opt_in_runs_the_doctor(patch_set, newer: str, monkeypatch, caplog) -> 
     monkeypatch.setenv(patching.ALLOW_UNVERIFIED_ENV, patch_set.distribution)
     with caplog.at_level(logging.WARNING, logger="faircast_plugins"):
         assert patch_set.check() == newer  # runs `faircast doctor <distribution>` in a subprocess on this stack
-    assert not patch_set.verified and doctor._passed == {patch_set.distribution}
+    assert not patch_set.verified and patching._passed == {patch_set.distribution}
     assert f"UNVERIFIED: {patch_set.framework} {newer}" in caplog.text

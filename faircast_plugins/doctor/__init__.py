@@ -11,20 +11,19 @@ engine would be sent, and what the forward computes with, to ``fair_cast(master)
 
 It is what a user runs on their cluster before a long run, and what :data:`~faircast_plugins.patching.
 ALLOW_UNVERIFIED_ENV` requires before Fair Cast runs on a framework release newer than the verified range
-(:func:`self_check`, in a subprocess so the check's process group and patches never touch the caller's).
+(:func:`faircast_plugins.patching.self_check` runs it in a subprocess, so the check's process group and patches never
+touch the caller's).
 """
 from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 import time
 import contextlib
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
-from ..patching import ALLOW_UNVERIFIED_ENV, DOCTOR_ENV, FairCastPatchError, installed_version
+from ..patching import DOCTOR_ENV, FRAMEWORKS, installed_version, self_check  # noqa: F401 (self_check: re-exported)
 
 #: check -> module with ``check() -> list[str]`` (evidence lines; raises :class:`DoctorFailure`)
 CHECKS: Dict[str, str] = {
@@ -32,19 +31,6 @@ CHECKS: Dict[str, str] = {
     "deepspeed": "faircast_plugins.doctor.deepspeed",
     "trl": "faircast_plugins.doctor.trl",
 }
-#: framework (its pip distribution) -> the checks that run its patched path
-FRAMEWORKS: Dict[str, Tuple[str, ...]] = {
-    "trl": ("trl",),
-    "verl": ("fsdp",),
-    "openrlhf": ("deepspeed",),
-    "deepspeed": ("deepspeed",),
-    "torch": ("fsdp",),
-}
-SELF_CHECK_TIMEOUT_S = 600
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
-
-_passed: set = set()
 
 
 class DoctorFailure(AssertionError):
@@ -104,35 +90,6 @@ def check_served(what: str, name: str, got, master, version: int, *, seed: int =
 def run_check(name: str) -> List[str]:
     """Run one check in this process; returns its evidence lines, raises on failure."""
     return importlib.import_module(CHECKS[name]).check()
-
-
-def self_check(distribution: str, version: str) -> None:
-    """The gate of :data:`ALLOW_UNVERIFIED_ENV`: ``faircast doctor DISTRIBUTION`` must pass on this stack (run once
-    per process, in a subprocess at world size 1). Raises :class:`FairCastPatchError` otherwise."""
-    if distribution not in FRAMEWORKS:
-        raise FairCastPatchError(
-            f"{ALLOW_UNVERIFIED_ENV} names {distribution}, but faircast doctor has no self-check for it, so an "
-            f"unverified {distribution} {version} cannot be allowed; install a verified release"
-        )
-    if distribution in _passed:
-        return
-    # A plain single process: a launcher's rank variables (torchrun, Ray, DeepSpeed) would make the checks join its
-    # process group.
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
-    env[DOCTOR_ENV] = "1"
-    cmd = [sys.executable, "-m", "faircast_plugins.cli", "doctor", distribution]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SELF_CHECK_TIMEOUT_S)
-        failed, output = proc.returncode != 0, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        failed, output = True, f"timed out after {SELF_CHECK_TIMEOUT_S} s"
-    if failed:
-        tail = "\n".join(output.strip().splitlines()[-15:])
-        raise FairCastPatchError(
-            f"{ALLOW_UNVERIFIED_ENV} allows the unverified {distribution} {version}, but its self-check "
-            f"`faircast doctor {distribution}` failed on this stack, so Fair Cast refuses to run on it:\n{tail}"
-        )
-    _passed.add(distribution)
 
 
 def _installed_frameworks() -> List[str]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from .callback import FairCastCallback
 from .config import FairCastArguments, faircast_config, patch_configs, unpatch_configs
-from .patches import PATCHES, SUPPORTED, FairCastUnsupportedError
+from .patches import PATCHES, SUPPORTED
+from .refusals import FairCastUnsupportedError
 
 
 def patch() -> None:

@@ -29,9 +29,8 @@ from transformers import TrainerCallback
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..patching import FairCastPatchError
-from .backends import Backend, backend_for
-
-INFO_FILE = "faircast.json"
+from .backends import INFO_FILE, Backend, backend_for
+from .refusals import check_optimizer
 
 
 class FairCastCallback(TrainerCallback):
@@ -71,8 +70,6 @@ class FairCastCallback(TrainerCallback):
     # -- the training loop ----------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         if self.config.enabled:
-            from .patches import check_optimizer
-
             check_optimizer(type(self.trainer).__name__, self.trainer.optimizer)
         resuming = bool(self.resume_dir) or state.global_step > 0
         if not resuming and self.caster.version != state.global_step:

@@ -26,7 +26,7 @@ refuses any TRL outside :data:`SUPPORTED`.
   ``train()``); in one process or DDP the policy serves the copy from construction on.
 
 Refused at construction with Fair Cast on: ``fp16=True``, optimizers that step inside backward or are schedule-free,
-``load_best_model_at_end``, a colocated vLLM engine that is not bf16 (and the combinations in :func:`_check_args`).
+``load_best_model_at_end``, a colocated vLLM engine that is not bf16 (and the other refusals in :mod:`.refusals`).
 
 DeepSpeed (bf16, ZeRO-0/1/2/3): the callback attaches :func:`faircast_plugins.deepspeed.apply_deepspeed_patch` to
 ``trainer.deepspeed`` at the start of training instead of keeping shadow masters. FSDP2 (bf16): it registers the
@@ -36,15 +36,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
-
-import torch
 
 from ..deepspeed import install_deepspeed_patch
 from ..lag_cost import tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from .callback import FairCastCallback, find_callback
 from .config import faircast_config
+from .refusals import check_args, check_engine_dtype, check_trainer, generates_in_place
 
 DISTRIBUTION = "trl"
 SUPPORTED = ">=1.16.0,<1.17"
@@ -69,163 +67,12 @@ EVALUATE = "transformers.trainer:Trainer.evaluate"
 REWARD_KEY = "reward"
 
 
-class FairCastUnsupportedError(FairCastPatchError):
-    """A Fair Cast combination that is not supported (yet): refused rather than silently rounded to nearest."""
-
-
 def _bound(original, self, args, kwargs) -> dict:
     """The trainer's constructor arguments by name (``args``, ``peft_config``, ...)."""
     try:
         return dict(inspect.signature(original).bind_partial(self, *args, **kwargs).arguments)
     except TypeError:
         return dict(kwargs)
-
-
-_PEFT_REFUSAL = (
-    "Fair Cast with a PEFT/LoRA model in {trainer} is refused: merging the adapter into the base for export "
-    "rounds to nearest, and the loss (W x + B A x) is not the served W + B A. Train without PEFT, or without "
-    "faircast."
-)
-
-
-def _check_args(trainer_name: str, args: Any, peft_config: Any = None) -> None:
-    """Refusals that can be decided from the arguments alone, before any model or engine is built."""
-    if peft_config is not None:
-        raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
-    cfg = faircast_config(args)
-    if cfg is not None and cfg.enabled:
-        _check_enabled_args(trainer_name, args)
-    if getattr(args, "deepspeed", None):
-        _check_deepspeed_args(trainer_name, args)
-    if getattr(args, "fsdp", None):
-        plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
-        _check_fsdp(trainer_name, args, plugin_args.get("fsdp_version", 2), "bf16" if args.bf16 else "no")
-
-
-#: transformers optimizers that move the weights outside ``optimizer.step()`` (inside backward) or swap them
-#: (schedule-free ``train()``/``eval()``): the master would never see the update, or the parameters would not hold the
-#: served copy.
-IN_BACKWARD_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
-                          "apollo_adamw_layerwise", "lomo", "adalomo")
-
-
-def _check_enabled_args(trainer_name: str, args: Any) -> None:
-    """Refusals of options that change what is served or what the optimizer steps (Fair Cast on)."""
-    if getattr(args, "fp16", False):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(fp16=True) is refused: fp16 autocast (and the continuous-batching "
-            f"generation's fp16 cast) rounds the bf16 served copy again, so the model would not run on the copy that is "
-            f"served. Use bf16=True."
-        )
-    optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
-    if optim in IN_BACKWARD_OPTIMIZERS:
-        raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(optim={optim!r}) is refused: this optimizer updates the weights inside "
-            f"backward, not in optimizer.step(), so the fp32 master would never move. Use a per-step optimizer "
-            f"(adamw_torch, the default; galore_adamw / apollo_adamw without _layerwise)."
-        )
-    if optim.startswith("schedule_free"):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(optim={optim!r}) is refused: schedule-free optimizers swap the parameters "
-            f"between their train and eval points (optimizer.train()/eval()), outside the Fair Cast master. Use "
-            f"adamw_torch (the default) with a learning-rate schedule."
-        )
-    if getattr(args, "load_best_model_at_end", False):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with {trainer_name}(load_best_model_at_end=True) is refused: the best checkpoint is loaded "
-            f"with load_state_dict, outside Fair Cast, which would leave its fp32 masters in the parameters and the "
-            f"last step's Fair Cast state in the final save. Keep load_best_model_at_end=False and load the best "
-            f"checkpoint yourself (`faircast export --checkpoint` rebuilds the copy it served)."
-        )
-
-
-def check_optimizer(trainer_name: str, optimizer: Any) -> None:
-    """Refuse a built optimizer (e.g. passed as ``optimizers=``) that steps in backward or is schedule-free."""
-    inner = optimizer
-    while hasattr(inner, "optimizer") and inner.optimizer is not inner:  # accelerate's / DeepSpeed's wrappers
-        inner = inner.optimizer
-    name = type(inner).__name__
-    if name in ("LayerWiseDummyOptimizer", "Lomo", "AdaLomo") or callable(getattr(inner, "train", None)):
-        raise FairCastUnsupportedError(
-            f"Fair Cast in {trainer_name} with the optimizer {name} is refused: it updates the weights inside "
-            f"backward, or swaps them between its train and eval points (schedule-free), outside the Fair Cast "
-            f"master. Use a per-step optimizer such as torch.optim.AdamW."
-        )
-
-
-def check_engine_dtype(trainer_name: str, llm: Any) -> None:
-    """A colocated vLLM engine must hold bf16 weights: loading the bf16 served copy into fp16 or fp32 weights would
-    round it again (fp16) or serve something else than the trainer's forward (fp32)."""
-    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
-    if dtype is None:
-        raise FairCastPatchError(
-            f"Fair Cast could not read the colocated vLLM engine's dtype (LLM.llm_engine.model_config.dtype) in "
-            f"{trainer_name}; it must be bfloat16."
-        )
-    if dtype != torch.bfloat16:
-        raise FairCastUnsupportedError(
-            f"Fair Cast in {trainer_name} with a colocated vLLM engine in {dtype} is refused: the served copy is bf16 "
-            f"and loading it into {dtype} weights would not serve it bit for bit. vLLM picks the dtype from the model's "
-            f"config (torch_dtype); save the model with torch_dtype bfloat16, or use vllm_mode='server' with "
-            f"`--dtype bfloat16`."
-        )
-
-
-def _generates_in_place(args: Any) -> bool:
-    """TRL's continuous-batching generation (``use_transformers_continuous_batching``; vLLM takes precedence)."""
-    return bool(getattr(args, "use_transformers_continuous_batching", False)) and not getattr(args, "use_vllm", False)
-
-
-def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
-    """DeepSpeed runs go through the shared copy-back patch, which needs bf16; refuse the rest now
-    (the patch re-checks the built engine when it is attached at the start of training)."""
-    if not getattr(args, "bf16", False):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with DeepSpeed in {trainer_name} needs bf16=True (DeepSpeed bf16: fp32 masters in the optimizer, "
-            f"bf16 weights in the module); fp16 and fp32 DeepSpeed runs are refused."
-        )
-
-
-def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: Any) -> None:
-    """FSDP runs go through the shared FSDP cast patches: FSDP2 with a bf16 compute copy (every mode; error-feedback
-    residuals and EMAs are per-rank state of each rank's shards, see :class:`FairCastCallback`)."""
-    if trainer_name == "OnlineDPOTrainer":
-        raise FairCastUnsupportedError(
-            "Fair Cast with FSDP in OnlineDPOTrainer is refused: its own FSDP weight push to vLLM is not wired. "
-            "Run it without FSDP, or use GRPOTrainer/RLOOTrainer."
-        )
-    if _generates_in_place(args):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with FSDP and {trainer_name}(use_transformers_continuous_batching=True) is refused: that path "
-            f"runs model.to(torch.bfloat16) on the FSDP module, which casts the sharded fp32 masters themselves to "
-            f"bf16 and never back. Use vLLM (use_vllm=True) or regular generation under FSDP."
-        )
-    if fsdp_version != 2:
-        raise FairCastUnsupportedError(
-            f"Fair Cast with FSDP{fsdp_version} in {trainer_name} is refused: only FSDP2 (fsdp_config version 2, "
-            f"the default) is supported. Under FSDP1, TRL generates without vLLM inside summon_full_params, which "
-            f"hands the root unit's fp32 masters to the forward outside FSDP's cast."
-        )
-    if str(param_dtype) not in ("bf16", "torch.bfloat16"):
-        raise FairCastUnsupportedError(
-            f"Fair Cast with FSDP in {trainer_name} needs bf16 mixed precision (bf16=True, the TRL default): FSDP's "
-            f"bf16 cast of the fp32 shards is where the served copy is made; got {param_dtype}."
-        )
-
-
-def _check_trainer(trainer_name: str, trainer: Any) -> None:
-    """Refusals that need the built trainer (accelerate plugins from the environment, PEFT, dtypes)."""
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        _check_deepspeed_args(trainer_name, trainer.args)
-        # Installed now so that a DeepSpeed resume (before on_train_begin) is remembered for the callback.
-        install_deepspeed_patch()
-    if getattr(trainer, "is_fsdp_enabled", False):  # also when accelerate's environment turned FSDP on
-        plugin = trainer.accelerator.state.fsdp_plugin
-        policy = getattr(plugin, "mixed_precision_policy", None)
-        _check_fsdp(trainer_name, trainer.args, plugin.fsdp_version, getattr(policy, "param_dtype", None))
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if hasattr(model, "peft_config"):
-        raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
 
 
 def _trainer_init(trainer_name: str):
@@ -235,12 +82,14 @@ def _trainer_init(trainer_name: str):
             bound = _bound(original, self, args, kwargs)
             cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
             if cfg is not None and cfg.active:
-                _check_args(trainer_name, bound["args"], bound.get("peft_config"))
+                check_args(trainer_name, bound["args"], bound.get("peft_config"))
             original(self, *args, **kwargs)
             cfg = faircast_config(self.args)
             if cfg is None or not cfg.active:
                 return
-            _check_trainer(trainer_name, self)
+            check_trainer(trainer_name, self)
+            if getattr(self, "is_deepspeed_enabled", False):
+                install_deepspeed_patch()  # now, so that a DeepSpeed resume (before on_train_begin) reaches the callback
             callback = FairCastCallback(self, cfg)
             callback.prepare()  # fp32 masters: fail now, not after the first generation
             self._faircast = callback
@@ -298,7 +147,7 @@ def _generate_in_place(original):
     @functools.wraps(original)
     def _generate_single_turn(self, *args, **kwargs):
         callback = find_callback(self)
-        if callback is None or not callback.config.enabled or not _generates_in_place(self.args):
+        if callback is None or not callback.config.enabled or not generates_in_place(self.args):
             return original(self, *args, **kwargs)  # TRL's own behaviour (audit-only included)
         with callback.bf16_generation():
             return original(self, *args, **kwargs)

@@ -18,7 +18,7 @@ class Target:
 def newer_torch(monkeypatch):
     """The installed torch looks like a release above the verified range; no self-check has passed yet."""
     monkeypatch.setattr(patching, "installed_version", lambda dist: "2.99.0" if dist == "torch" else None)
-    monkeypatch.setattr(doctor, "_passed", set())
+    monkeypatch.setattr(patching, "_passed", set())
     monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     monkeypatch.delenv(DOCTOR_ENV, raising=False)
     monkeypatch.setenv("RANK", "3")  # as under a launcher: the self-check must not join its process group
@@ -40,7 +40,7 @@ def _fake_doctor(monkeypatch, returncode, output=""):
         calls.append((cmd, kwargs["env"]))
         return subprocess.CompletedProcess(cmd, returncode, stdout=output, stderr="")
 
-    monkeypatch.setattr(doctor.subprocess, "run", run)
+    monkeypatch.setattr(patching.subprocess, "run", run)
     return calls
 
 
@@ -114,7 +114,7 @@ def test_the_real_self_check_runs_faircast_doctor_in_a_subprocess(newer_torch, m
     ps = _patch_set()
     with caplog.at_level(logging.WARNING, logger="faircast_plugins"):
         ps.check()
-    assert "UNVERIFIED" in caplog.text and doctor._passed == {"torch"}
+    assert "UNVERIFIED" in caplog.text and patching._passed == {"torch"}
 
 
 def test_doctor_fsdp_check_passes_in_process_and_fails_without_the_cast_patches(monkeypatch):

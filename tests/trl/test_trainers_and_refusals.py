@@ -130,7 +130,7 @@ def test_built_optimizer_outside_step_is_refused_at_train(tiny_model_dir, prompt
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
-    from faircast_plugins.trl.patches import check_optimizer
+    from faircast_plugins.trl.refusals import check_optimizer
 
     class ScheduleFreeLike(torch.optim.SGD):
         def train(self):
@@ -163,7 +163,7 @@ def test_colocated_engine_must_be_bf16():
 
     import torch
 
-    from faircast_plugins.trl.patches import check_engine_dtype
+    from faircast_plugins.trl.refusals import check_engine_dtype
 
     def llm(dtype):
         return SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))

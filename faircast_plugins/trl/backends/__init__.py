@@ -29,6 +29,8 @@ from ...patching import FairCastPatchError
 logger = logging.getLogger("faircast_plugins")
 
 RESUME_OPTION = "faircast_resume_without_state"
+#: the JSON record (seed, mode, version) written next to every saved model
+INFO_FILE = "faircast.json"
 
 
 def state_what(config) -> str:

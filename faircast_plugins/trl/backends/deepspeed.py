@@ -11,7 +11,7 @@ import json
 import os
 from typing import Optional
 
-from . import Backend
+from . import INFO_FILE, Backend
 
 
 class DeepSpeedBackend(Backend):
@@ -62,7 +62,6 @@ class DeepSpeedBackend(Backend):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         from ...deepspeed.patch import STATE_FILE
-        from ..callback import INFO_FILE
 
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         info_path = os.path.join(checkpoint, INFO_FILE)

@@ -25,7 +25,7 @@ from ...cast import fair_cast
 from ...export import save_state
 from ...key import canonical_name
 from ...patching import FairCastPatchError
-from . import Backend, logger, state_what
+from . import INFO_FILE, Backend, logger, state_what
 
 #: Under FSDP with error feedback or an EMA: each rank's Fair Cast state (its shards' residuals / EMA), per checkpoint.
 RANK_STATE_FILE = "faircast_state_rank{rank:05d}.pt"
@@ -147,7 +147,6 @@ class FSDPBackend(Backend):
         """Restore this rank's Fair Cast state (its shards' residuals / EMA); refuse what cannot reproduce the run."""
         if not self.stateful:
             return super().load_state(directory)
-        from ..callback import INFO_FILE
 
         rank, world = self.world()
         what = state_what(self.config)

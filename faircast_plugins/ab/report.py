@@ -130,6 +130,14 @@ def build(out: str, proto, provenance: dict, ws_info: Optional[dict], failed: Se
     return results
 
 
+def _ms(xs, scale=100.0, digits=2) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return ""
+    sd = stats._sd(xs) if len(xs) > 1 else float("nan")
+    return f"{scale * _mean(xs):.{digits}f}" + ("" if math.isnan(sd) else f" ± {scale * sd:.{digits}f}")
+
+
 def _arm_table(results: dict, proto) -> str:
     rows = ["| arm | lr | seeds | served expected (%) | served greedy (%) | served sampled (%) | master expected (%) | "
             "lag, steps (last 20%) | served changed / step | bias (cumulative) |",
@@ -139,12 +147,7 @@ def _arm_table(results: dict, proto) -> str:
         if not ss:
             rows.append(f"| {arm} | | 0 | (no run finished) | | | | | | |")
             continue
-
-        def ms(key, scale=100.0):
-            xs = [s[key] for s in ss]
-            m = _mean(xs)
-            sd = stats._sd(xs) if len(xs) > 1 else float("nan")
-            return f"{scale * m:.2f} ± {scale * sd:.2f}" if not math.isnan(sd) else f"{scale * m:.2f}"
+        ms = lambda key: _ms([s[key] for s in ss])  # noqa: E731
 
         rows.append(f"| {arm} | {ss[0]['lr']:g} | {len(ss)} | {ms('served_expected')} | {ms('served_greedy')} | "
                     f"{ms('served_sampled')} | {ms('master_expected')} | {_mean([s['lag_steps'] for s in ss]):.1f} | "
@@ -159,22 +162,19 @@ def _pairs_table(results: dict, metric: str) -> str:
     return stats.table(res)
 
 
-def _ms(xs, scale=100.0, digits=2) -> str:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs:
-        return ""
-    sd = stats._sd(xs) if len(xs) > 1 else float("nan")
-    return f"{scale * _mean(xs):.{digits}f}" + ("" if math.isnan(sd) else f" ± {scale * sd:.{digits}f}")
+def _finished_arms(results: dict, proto):
+    """``(arm, its run summaries)`` for each arm of the protocol that has finished runs, in protocol order."""
+    for arm in proto.arms:
+        ss = [s for s in results["runs"] if s["arm"] == arm]
+        if ss:
+            yield arm, ss
 
 
 def _readout_table(results: dict, proto) -> str:
     rows = ["| arm | served | master (fp32 forward) | RTN(master) | SR(master) | sticky(master) | best readout | "
             "readout effect: served - best (points) | served - SR (points) | checks |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for arm in proto.arms:
-        ss = [s for s in results["runs"] if s["arm"] == arm]
-        if not ss:
-            continue
+    for arm, ss in _finished_arms(results, proto):
         kinds = sorted({s["readout_best_kind"] for s in ss if s.get("readout_best_kind")})
         checks = ", ".join(f"{k} = served" for k in READOUTS if ss and all(s.get(f"{k}_is_served") for s in ss))
         rows.append(f"| {arm} | {_ms([s['served_expected'] for s in ss])} | {_ms([s['master_expected'] for s in ss])} | "
@@ -187,10 +187,7 @@ def _readout_table(results: dict, proto) -> str:
 def _noise_table(results: dict, proto) -> str:
     rows = ["| arm | grad norm | Adam v mean | IS ratio mean [min, max] | logp diff (engine vs trainer) | clip ratio |",
             "| --- | --- | --- | --- | --- | --- |"]
-    for arm in proto.arms:
-        ss = [s for s in results["runs"] if s["arm"] == arm]
-        if not ss:
-            continue
+    for arm, ss in _finished_arms(results, proto):
         g = lambda k: _mean([s.get(k, float("nan")) for s in ss])  # noqa: E731
         rows.append(f"| {arm} | {g('grad_norm'):.4g} | {g('adam_v_mean'):.4g} | {g('is_ratio_mean'):.5f} "
                     f"[{g('is_ratio_min'):.4f}, {g('is_ratio_max'):.4f}] | {g('logp_diff_mean'):.3g} | "
@@ -255,9 +252,7 @@ def markdown(results: dict, proto) -> str:
                           ("served_greedy", "greedy success of the served copy"),
                           ("served_sampled", "sampled success of the served copy (temperature 1)"),
                           ("master_expected", "exact expected success of the fp32 master")):
-        res = [stats.PairResult(**{k: v for k, v in c.items() if k != "ci_contains_zero"})
-               for c in results["comparisons"][metric]]
-        lines += [f"## Paired: {title}", "", stats.table(res), ""]
+        lines += [f"## Paired: {title}", "", _pairs_table(results, metric), ""]
     aa = next((c for c in results["comparisons"][proto.metric] if c["a"] == "faircast-aa"), None)
     if aa:
         lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa['mean_diff']:+.3f} points, 95% CI "

@@ -19,8 +19,8 @@ from .warmstart import WarmStartSpec
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 #: Readouts of the fp32 master, scored through the engine at every eval point beside the served copy: what the
-#: master of that arm would score if it were exported by round-to-nearest, stochastic rounding (keyed by the run's
-#: Fair Cast seed and the weight version, as the ``faircast`` arm's export), or sticky rounding.
+#: master of that arm would score if it were exported by round-to-nearest, stochastic rounding (keyed by the run
+#: seed and the weight version in every arm, so it is the ``faircast`` arm's own export), or sticky rounding.
 READOUTS = ("rtn", "sr", "sticky")
 METRICS = ("served_expected", "served_greedy", "served_sampled", "master_expected", "master_greedy",
            *(f"{r}_{k}" for r in READOUTS for k in ("expected", "greedy")))

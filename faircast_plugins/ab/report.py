@@ -115,7 +115,8 @@ def build(out: str, proto, provenance: dict, ws_info: Optional[dict], failed: Se
         comparisons[metric] = [stats.compare(a, b, values).as_dict() for a, b in pairs]
     results = {
         "protocol": proto.as_dict(), "compute": proto.compute, "code": meta.get("code"),
-        "run_code": [json.loads(c) for c in sorted({json.dumps(r.get("code"), sort_keys=True) for r in runs})], "protocol_provenance": provenance, "warm_start": ws_info, "meta": meta,
+        "run_code": [json.loads(c) for c in sorted({json.dumps(r.get("code"), sort_keys=True) for r in runs})],
+        "protocol_provenance": provenance, "warm_start": ws_info, "meta": meta,
         "failed_runs": list(failed), "missing_runs": [f"{a} seed {s}" for a in proto.arms for s in proto.seeds
                                                       if not any(r["arm"] == a and r["seed"] == s for r in summaries)],
         "runs": summaries, "comparisons": comparisons, "lag_cost": lag_cost(summaries),
@@ -177,7 +178,8 @@ def _readout_table(results: dict, proto) -> str:
     for arm, ss in _finished_arms(results, proto):
         kinds = sorted({s["readout_best_kind"] for s in ss if s.get("readout_best_kind")})
         checks = ", ".join(f"{k} = served" for k in READOUTS if ss and all(s.get(f"{k}_is_served") for s in ss))
-        rows.append(f"| {arm} | {_ms([s['served_expected'] for s in ss])} | {_ms([s['master_expected'] for s in ss])} | "
+        rows.append(f"| {arm} | {_ms([s['served_expected'] for s in ss])} | "
+                    f"{_ms([s['master_expected'] for s in ss])} | "
                     + " | ".join(_ms([s[f"{k}_expected"] for s in ss]) for k in READOUTS)
                     + f" | {'/'.join(kinds)} | {_ms([s['readout_effect'] for s in ss], digits=3)} | "
                     f"{_ms([s['served_minus_sr'] for s in ss], digits=3)} | {checks} |")

@@ -40,7 +40,7 @@ from ..cast import fair_cast
 from ..key import canonical_name, derive_key, sticky_key
 from ..vllm_cpu import keep_weights_reloadable
 from .arms import parse_arm
-from .protocol import READOUTS
+from .protocol import COMPUTE, READOUTS
 from .provenance import code_provenance, machine, versions
 from .scoring import Encoded, encode, score_model, summarize
 
@@ -65,6 +65,7 @@ class EngineExport:
 
     def __init__(self, trainer, arm, fc_seed: int, audit_sample: int):
         self.trainer, self.arm, self.fc_seed = trainer, arm, fc_seed
+        self.engine_dtype = getattr(torch, arm.engine_dtype)  # what the engine holds
         self.audit = Audit(audit_sample)
         self.history: "OrderedDict[int, Dict[str, torch.Tensor]]" = OrderedDict()  # fp32-delayed: step -> masters
         self.last_sent: List[Tuple[str, torch.Tensor]] = []  # the last sync, as sent: readouts restore it
@@ -94,7 +95,7 @@ class EngineExport:
             self.last_sent.append((name, served.detach().clone()))
             cname = canonical_name(name)
             # what the engine holds: vLLM copies the tensor into its weights (fp32 -> bf16 rounds to nearest)
-            held = served.detach().to(getattr(torch, self.arm.engine_dtype))
+            held = served.detach().to(self.engine_dtype)
             self.audit.observe(cname, step, masters[cname], held)
             yield name, served
 
@@ -104,7 +105,7 @@ class EngineExport:
         masters = _masters(self.trainer)
         for name, sent in self.last_sent:
             cname = canonical_name(name)
-            self.audit.observe(cname, step, masters[cname], sent.to(getattr(torch, self.arm.engine_dtype)))
+            self.audit.observe(cname, step, masters[cname], sent.to(self.engine_dtype))
 
     def metrics(self) -> Dict[str, float]:
         return self.audit.metrics()
@@ -186,10 +187,10 @@ class EngineEval:
             raise RuntimeError("readouts need a weight sync first (the engine has received nothing)")
         before = {n: p.detach().clone() for n, p in self._engine_model().named_parameters()}
         masters = _masters(self.trainer)
+        names = [(name, canonical_name(name)) for name, _ in sent]
         out = {}
         for kind in READOUTS:
-            copy = [(name, readout_copy(kind, masters[canonical_name(name)], self.seed, step, canonical_name(name)))
-                    for name, _ in sent]
+            copy = [(name, readout_copy(kind, masters[cname], self.seed, step, cname)) for name, cname in names]
             self._load(copy)
             out.update({f"{kind}_{k}": v for k, v in self.score().items()})
             out[f"{kind}_is_served"] = all(torch.equal(c.to(self.engine_dtype), s.to(self.engine_dtype))
@@ -248,8 +249,8 @@ def run(spec: dict) -> dict:
 
     vllm_generation.LLM = llm_for_arm
     compute = spec["compute"]
-    if compute not in ("bf16-autocast", "fp32"):
-        raise ValueError(f"spec compute must be 'bf16-autocast' or 'fp32', got {compute!r}")
+    if compute not in COMPUTE:
+        raise ValueError(f"spec compute must be one of {', '.join(COMPUTE)}, got {compute!r}")
     cuda = torch.cuda.is_available()
     steps, eval_every = int(spec["steps"]), int(spec["eval_every"])
     label = f"{arm.name} seed {seed}"
@@ -279,7 +280,8 @@ def run(spec: dict) -> dict:
     class Recorder(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and ("reward" in logs or "loss" in logs):  # every optimizer step (reward: generation steps)
-                logged = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                logged = {k: float(v) for k, v in logs.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 records.append({**logged, "step": state.global_step, "adam_v_mean": adam_second_moment_mean(
                     trainer.optimizer), **export.metrics()})
 
@@ -312,8 +314,8 @@ def run(spec: dict) -> dict:
     trainer.train()
     return {"spec": {k: v for k, v in spec.items() if k not in ("train", "heldout")}, "arm": arm.name,
             "seed": seed, "lr": lr, "compute": compute, "mixed_precision": mixed, "code": code_provenance(),
-            "versions": versions(), "machine": machine(), "trl_config": _jsonable(config.to_dict()), "steps": records, "evals": evals,
-            "wall_s": time.time() - start}
+            "versions": versions(), "machine": machine(), "trl_config": _jsonable(config.to_dict()),
+            "steps": records, "evals": evals, "wall_s": time.time() - start}
 
 
 def _jsonable(d: dict) -> dict:

@@ -163,6 +163,7 @@ FSDP_TORCHES = [
     nox.param("2.11.0", id="2.11.0", tags=["tests", "torch-range"]),
     nox.param("2.12.1", id="2.12.1", tags=["torch-range"]),
     nox.param("2.14.1", id="2.14.1", tags=["torch-range"]),
+    nox.param("2.15.0", id="2.15.0", tags=["torch-range"]),
 ]
 
 

@@ -17,7 +17,8 @@ Three private torch call sites are wrapped (checked and pinned by version):
 Each wrapper runs the original (so shapes, padding, streams and allocation stay torch's), then overwrites the
 valid elements of each registered parameter with the Fair Cast bits. Padding is never read by the compute.
 
-Torch releases (the sources of 2.11.0, 2.12.0/2.12.1, 2.13.0, 2.14.0/2.14.1 were compared): the three call sites,
+Torch releases (the sources of 2.11.0, 2.12.0/2.12.1, 2.13.0, 2.14.0/2.14.1, 2.15.0 were compared; 2.15.0 changes
+none of the three call sites): the three call sites,
 the FSDP2 shard layout (dim-0 chunks, zero-padded to the first chunk's size) and the FSDP1 flat-shard metadata they
 read are the same in all of them, with two differences that matter here: torch 2.11 keeps one optional
 ``FSDPState._fsdp_param_group`` where 2.12+ keeps a list ``_fsdp_param_groups`` (see :func:`_param_groups`), and
@@ -42,7 +43,7 @@ from .patching import FairCastPatchError, PatchSet
 logger = logging.getLogger("faircast_plugins")
 
 #: torch releases whose private FSDP cast sites were read and the verl FSDP worker tests run on (docs/verl.md).
-TORCH_SPECIFIER = ">=2.11,<2.15"
+TORCH_SPECIFIER = ">=2.11,<2.16"
 
 _FSDP2_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.all_gather_inputs"
 _FSDP2_FAST_PATH = "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs"

@@ -45,21 +45,67 @@ def sample_positions(numel: int, sample: int, device) -> Optional[torch.Tensor]:
     return torch.linspace(0, numel - 1, sample, device=device).round().to(torch.int64)
 
 
+def _async_copy_ok(device: torch.device) -> bool:
+    """True where a device-to-host copy can be queued without waiting (CUDA, into pinned memory)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _pinned_empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def _to_host(t: torch.Tensor):
+    """A CPU copy of ``t`` and what to wait for before reading it: on CUDA a non-blocking copy into pinned memory
+    ordered on ``t``'s current stream (after the cast that wrote it), with an event the report waits for; the
+    cast site never waits for the device."""
+    if t.device.type == "cpu":
+        return t.clone(), None
+    if _async_copy_ok(t.device):
+        buf = _pinned_empty(t.shape, t.dtype)
+        buf.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(t.device))
+        return buf, ready
+    return t.to("cpu"), None  # another accelerator: a blocking copy
+
+
 class _Track:
+    """One parameter's (or shard's) samples. Its state is on the CPU whatever the device of the observations, so
+    one parameter may be observed on the GPU and on the host (offloaded shards, FSDP all-gathers)."""
+
     def __init__(self, pos, window: int):
-        self.pos = pos
+        self.pos = pos  # CPU int64 positions, or None (all elements)
+        self.pos_on: Dict[torch.device, torch.Tensor] = {}  # their copy on each observation device (made once)
+        self.observed = -1  # the last version observed (queued); ``version``: the last one measured
         self.version = -1
         self.served: Optional[torch.Tensor] = None
         self.history: Deque[torch.Tensor] = deque(maxlen=window + 1)
 
+    def positions_on(self, like: torch.Tensor) -> torch.Tensor:
+        pos = self.pos_on.get(like.device)
+        if pos is None:
+            pos = self.pos
+            if like.device.type != "cpu":  # one host-to-device copy per track and device
+                pos = like.new_empty(pos.shape, dtype=torch.int64).copy_(pos)
+            self.pos_on[like.device] = pos
+        return pos
+
 
 class Audit:
-    """Collects samples of (master, served) per parameter and weight version."""
+    """Collects samples of (master, served) per parameter and weight version.
+
+    :meth:`observe` only gathers the samples and queues their copy to the host (no host sync at the cast site);
+    the sums are taken on the CPU, in observation order, when they are read (:meth:`totals`) or when many
+    observations are queued."""
+
+    #: settle the queue once it holds this many observations per track (bounds the host memory it holds)
+    QUEUE_VERSIONS = 4
 
     def __init__(self, sample: int = 4096, window: int = 8):
         self.sample = sample
         self.window = window
         self._tracks: Dict[str, _Track] = {}
+        self._queue: Deque[tuple] = deque()
         self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
         self._cumulative = {"dev_along": 0.0, "abs_update": 0.0}
 
@@ -67,20 +113,34 @@ class Audit:
         """Record the master and the served copy of one parameter (or shard) at ``version``."""
         track = self._tracks.get(name)
         if track is None or (track.pos is None and master.numel() > self.sample):
-            track = self._tracks[name] = _Track(sample_positions(master.numel(), self.sample, master.device), self.window)
-        if version == track.version:
+            track = self._tracks[name] = _Track(sample_positions(master.numel(), self.sample, "cpu"), self.window)
+        if version == track.observed:
             return  # the same version cast again (another cast site): nothing new to measure
         flat_x, flat_q = master.detach().reshape(-1), served.detach().reshape(-1)
         if track.pos is not None:
-            flat_x, flat_q = flat_x[track.pos], flat_q[track.pos]
-        x = flat_x.double()
-        q_bits = flat_q.view(_BITS[flat_q.dtype]).clone()  # bf16 for a served copy; fp32 where fp32 is served
-        q = flat_q.double()
+            flat_x, flat_q = flat_x[track.positions_on(flat_x)], flat_q[track.positions_on(flat_q)]
+        x, x_ready = _to_host(flat_x)
+        q_bits, q_ready = _to_host(flat_q.view(_BITS[flat_q.dtype]))  # bf16 served; fp32 where fp32 is served
+        self._queue.append((track, version, x, q_bits, flat_q.dtype, [r for r in (x_ready, q_ready) if r is not None]))
+        track.observed = version
+        if len(self._queue) > self.QUEUE_VERSIONS * len(self._tracks):
+            self._settle()
+
+    def _settle(self) -> None:
+        """Measure every queued observation, in order, on the CPU."""
+        while self._queue:
+            track, version, x, q_bits, served_dtype, ready = self._queue.popleft()
+            for event in ready:
+                event.synchronize()  # the copies were queued after the cast: usually long done
+            self._measure(track, version, x.double(), q_bits, served_dtype)
+
+    def _measure(self, track: _Track, version: int, x: torch.Tensor, q_bits: torch.Tensor, served_dtype) -> None:
+        q = q_bits.view(served_dtype).double()
         if track.served is not None and version == track.version + 1:
             x_prev = track.history[-1]
             q_prev_bits = track.served
             d = x - x_prev
-            w = q - q_prev_bits.view(flat_q.dtype).double()
+            w = q - q_prev_bits.view(served_dtype).double()
             moved = d != 0
             t = self._totals
             t["n"] += x.numel()
@@ -102,6 +162,7 @@ class Audit:
 
     def totals(self, reset: bool = True) -> Dict[str, float]:
         """Raw sums since the last reset (all-reduce these across ranks, then call :func:`finalize`)."""
+        self._settle()
         out = dict(self._totals)
         if reset:
             self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)

@@ -23,6 +23,10 @@ elements). Between two consecutive observed weight versions the tracker reports:
     between two reports they stay bounded while the fp32 updates add up, so read it over tens of steps:
     ``faircast/bias_rel_cumulative`` is the same ratio over everything observed since the tracker started.
 
+The cast site never waits for the device: :meth:`Audit.observe` gathers the samples where the tensors are and
+queues their copy to the host (non-blocking, into pinned memory, on CUDA); the sums are taken on the CPU, where the
+audit keeps all its state (so one parameter may be observed on the GPU and on the host), when they are read.
+
 Totals are plain sums (see :meth:`Audit.totals`): :func:`reduce_metrics` adds them over every rank before
 the ratios, the one metrics reduction every adapter uses (so each reports the same ``faircast/*`` set).
 """
@@ -55,18 +59,22 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
 
 
 def _to_host(t: torch.Tensor):
-    """A CPU copy of ``t`` and what to wait for before reading it: on CUDA a non-blocking copy into pinned memory
-    ordered on ``t``'s current stream (after the cast that wrote it), with an event the report waits for; the
-    cast site never waits for the device."""
+    """A CPU copy of ``t``, and whether it is still in flight: on CUDA a non-blocking copy into pinned memory,
+    ordered on ``t``'s current stream (after the cast that wrote it), so the cast site never waits for the device."""
     if t.device.type == "cpu":
-        return t.clone(), None
+        return t.clone(), False
     if _async_copy_ok(t.device):
         buf = _pinned_empty(t.shape, t.dtype)
         buf.copy_(t, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(t.device))
-        return buf, ready
-    return t.to("cpu"), None  # another accelerator: a blocking copy
+        return buf, True
+    return t.to("cpu"), False  # another accelerator: a blocking copy
+
+
+def _copied_event(device: torch.device):
+    """An event on ``device``'s current stream, after the copies queued there: the report waits for it."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class _Track:
@@ -76,6 +84,7 @@ class _Track:
     def __init__(self, pos, window: int):
         self.pos = pos  # CPU int64 positions, or None (all elements)
         self.pos_on: Dict[torch.device, torch.Tensor] = {}  # their copy on each observation device (made once)
+        self.pinned_pos: Optional[torch.Tensor] = None  # the pinned host copy those copies read (kept alive)
         self.observed = -1  # the last version observed (queued); ``version``: the last one measured
         self.version = -1
         self.served: Optional[torch.Tensor] = None
@@ -86,7 +95,12 @@ class _Track:
         if pos is None:
             pos = self.pos
             if like.device.type != "cpu":  # one host-to-device copy per track and device
-                pos = like.new_empty(pos.shape, dtype=torch.int64).copy_(pos)
+                source, queued = pos, _async_copy_ok(like.device)
+                if queued:  # from pinned memory, kept alive with the track, so the copy need not wait
+                    if self.pinned_pos is None:
+                        self.pinned_pos = _pinned_empty(pos.shape, pos.dtype).copy_(pos)
+                    source = self.pinned_pos
+                pos = like.new_empty(pos.shape, dtype=torch.int64).copy_(source, non_blocking=queued)
             self.pos_on[like.device] = pos
         return pos
 
@@ -119,19 +133,27 @@ class Audit:
         flat_x, flat_q = master.detach().reshape(-1), served.detach().reshape(-1)
         if track.pos is not None:
             flat_x, flat_q = flat_x[track.positions_on(flat_x)], flat_q[track.positions_on(flat_q)]
-        x, x_ready = _to_host(flat_x)
-        q_bits, q_ready = _to_host(flat_q.view(_BITS[flat_q.dtype]))  # bf16 served; fp32 where fp32 is served
-        self._queue.append((track, version, x, q_bits, flat_q.dtype, [r for r in (x_ready, q_ready) if r is not None]))
+        x, x_in_flight = _to_host(flat_x)
+        q_bits, q_in_flight = _to_host(flat_q.view(_BITS[flat_q.dtype]))  # bf16 served; fp32 where fp32 is served
+        in_flight = {t.device: None for t, busy in ((flat_x, x_in_flight), (flat_q, q_in_flight)) if busy}
+        ready = [_copied_event(device) for device in in_flight]  # one event per device covers its copies
+        self._queue.append((track, version, x, q_bits, flat_q.dtype, ready))
         track.observed = version
         if len(self._queue) > self.QUEUE_VERSIONS * len(self._tracks):
-            self._settle()
+            self._settle(wait=False)
 
-    def _settle(self) -> None:
-        """Measure every queued observation, in order, on the CPU."""
+    def _settle(self, wait: bool = True) -> None:
+        """Measure the queued observations, in order, on the CPU: all of them, waiting for their copies (``wait``),
+        or those whose copies are done (``wait=False``: at the cast site, which never waits for the device)."""
         while self._queue:
-            track, version, x, q_bits, served_dtype, ready = self._queue.popleft()
-            for event in ready:
-                event.synchronize()  # the copies were queued after the cast: usually long done
+            track, version, x, q_bits, served_dtype, ready = self._queue[0]
+            if not wait:
+                if not all(event.query() for event in ready):
+                    return
+            else:
+                for event in ready:
+                    event.synchronize()  # the copies were queued after the cast: usually long done
+            self._queue.popleft()
             self._measure(track, version, x.double(), q_bits, served_dtype)
 
     def _measure(self, track: _Track, version: int, x: torch.Tensor, q_bits: torch.Tensor, served_dtype) -> None:

@@ -82,10 +82,16 @@ class OffHostTensor(torch.Tensor):
 
 
 class FakeEvent:
+    """``torch.cuda.Event`` stand-in: counts records and waits; ``done`` is what ``query()`` answers."""
+
     recorded = waited = 0
+    done = True
 
     def record(self, stream=None):
         FakeEvent.recorded += 1
+
+    def query(self):
+        return FakeEvent.done
 
     def synchronize(self):
         FakeEvent.waited += 1
@@ -95,6 +101,7 @@ class FakeEvent:
 def mocked_cuda_copies(monkeypatch):
     """The audit's CUDA branch (pinned memory, non-blocking copy, an event) taken for :class:`OffHostTensor`."""
     FakeEvent.recorded = FakeEvent.waited = 0
+    FakeEvent.done = True
     with monkeypatch.context() as m:
         m.setattr(audit_mod, "_async_copy_ok", lambda device: device == OffHostTensor.DEVICE)
         m.setattr(audit_mod, "_pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
@@ -329,7 +336,7 @@ def test_finding8_observe_makes_no_host_sync_on_a_device(monkeypatch):
             audit.observe("w", v, OffHostTensor(x), OffHostTensor(q))
         assert (OffHostTensor.reads, OffHostTensor.blocking_copies) == (0, 0), "a host sync at the cast site"
         assert OffHostTensor.async_copies == 2 * len(steps)  # the master's and the served copy's samples
-        assert FakeEvent.recorded == 2 * len(steps) and FakeEvent.waited == 0
+        assert FakeEvent.recorded == len(steps) and FakeEvent.waited == 0  # one event per observation
         device_metrics = audit.metrics()
         assert FakeEvent.waited == FakeEvent.recorded  # waited for at the report, not at the cast
     cpu = Audit(sample=1024)
@@ -360,3 +367,19 @@ def test_finding8_a_repeated_version_is_measured_once():
         for _ in range(repeats):
             audit.observe("w", 1, x1, q1)
     assert a.metrics() == b.metrics() != {}
+
+
+def test_finding8_a_long_queue_is_settled_at_the_cast_site_only_when_its_copies_are_done(monkeypatch):
+    steps = _versions(64, 3 * Audit.QUEUE_VERSIONS)
+    with mocked_cuda_copies(monkeypatch):
+        FakeEvent.done = False  # the device is behind: observe must not wait
+        busy = Audit(sample=16)
+        for v, (x, q) in enumerate(steps):
+            busy.observe("w", v, OffHostTensor(x), OffHostTensor(q))
+        assert FakeEvent.waited == 0 and len(busy._queue) == len(steps)
+        FakeEvent.done = True  # copies done: the queue is measured as it grows, still without waiting for any
+        idle = Audit(sample=16)
+        for v, (x, q) in enumerate(steps):
+            idle.observe("w", v, OffHostTensor(x), OffHostTensor(q))
+        assert len(idle._queue) <= Audit.QUEUE_VERSIONS + 1 and FakeEvent.waited == 0
+        assert busy.metrics() == idle.metrics() != {}

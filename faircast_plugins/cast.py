@@ -274,8 +274,8 @@ def _auto_cuda_backend() -> str:
     """The ``auto`` backend for CUDA tensors: Triton, else the torch reference with a warning (logged once)."""
     if not _importable("triton"):
         _log_once(logging.WARNING,
-                  f"Fair Cast: CUDA tensors are cast with the torch reference path (same bits, several times slower "
-                  f"than the Triton kernel, with a temporary per tensor) because triton does not import "
+                  f"Fair Cast: CUDA tensors are cast with the torch reference path (same bits, slower than the Triton "
+                  f"kernel, with temporaries per tensor) because triton does not import "
                   f"({_IMPORT_ERRORS.get('triton', 'unknown error')}); install faircast-plugins[triton] (a triton "
                   f"matching your torch) or pass backend='torch' to silence this.")
         return "torch"

@@ -32,6 +32,7 @@ the ratios, the one metrics reduction every adapter uses (so each reports the sa
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Deque, Dict, Optional
 
@@ -120,11 +121,16 @@ class Audit:
         self.window = window
         self._tracks: Dict[str, _Track] = {}
         self._queue: Deque[tuple] = deque()
+        self._lock = threading.Lock()  # an export thread may observe while the trainer reads the totals
         self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
         self._cumulative = {"dev_along": 0.0, "abs_update": 0.0}
 
     def observe(self, name: str, version: int, master: torch.Tensor, served: torch.Tensor) -> None:
         """Record the master and the served copy of one parameter (or shard) at ``version``."""
+        with self._lock:
+            self._observe(name, version, master, served)
+
+    def _observe(self, name: str, version: int, master: torch.Tensor, served: torch.Tensor) -> None:
         track = self._tracks.get(name)
         if track is None or (track.pos is None and master.numel() > self.sample):
             track = self._tracks[name] = _Track(sample_positions(master.numel(), self.sample, "cpu"), self.window)
@@ -184,10 +190,11 @@ class Audit:
 
     def totals(self, reset: bool = True) -> Dict[str, float]:
         """Raw sums since the last reset (all-reduce these across ranks, then call :func:`finalize`)."""
-        self._settle()
-        out = dict(self._totals)
-        if reset:
-            self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
+        with self._lock:
+            self._settle()
+            out = dict(self._totals)
+            if reset:
+                self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
         return out
 
     def metrics(self, reset: bool = True) -> Dict[str, float]:

@@ -100,6 +100,31 @@ def measure(module, data, sample: int, on_device: bool = True) -> dict:
     )
 
 
+def cpu_metrics_identical(base) -> bool:
+    """Both versions on plain CPU tensors report identical metrics (float equality) on a run with version gaps, a
+    repeated version, an fp32-served parameter, one that grows past the sample, and reports at several cadences."""
+    g = torch.Generator().manual_seed(1)
+    xs = {n: torch.randn(k, generator=g) for n, k in (("a", 50), ("b", 300), ("c", 1000))}
+    seq = []
+    for v in (0, 1, 2, 3, 5, 6, 7, 7, 8, 9, 10, 11, 12, 14, 15):
+        for n in xs:
+            step = 1e-3 * torch.randn(xs[n].shape, generator=g) * (torch.rand(xs[n].shape, generator=g) < 0.7)
+            xs[n] = xs[n] + step
+            seq.append((n, v, xs[n].clone(), xs[n].clone() if n == "c" else xs[n].to(torch.bfloat16)))
+    for v in (16, 17):
+        seq.append(("a", v, torch.randn(500, generator=g), torch.randn(500, generator=g).to(torch.bfloat16)))
+
+    def run(module, every):
+        audit, out = module.Audit(sample=64, window=3), []
+        for i, (name, v, x, q) in enumerate(seq):
+            audit.observe(name, v, x, q)
+            if i % every == every - 1:
+                out.append(audit.metrics(reset=i % 2 == 0))
+        return out + [audit.metrics(), audit.totals()]
+
+    return all(run(base, every) == run(audit_here, every) for every in (1, 3, 7, 1000))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=8)
@@ -111,13 +136,16 @@ def main(argv=None) -> int:
     data = trajectory(args.params, args.versions, args.numel)
     reference = measure(audit_here, data, args.sample, on_device=False)["metrics"]
     results = {}
+    base = audit_at(BASE)
     if args.numel <= args.sample:
-        results[f"main ({BASE})"] = measure(audit_at(BASE), data, args.sample)
+        results[f"main ({BASE})"] = measure(base, data, args.sample)
     results["this tree"] = measure(audit_here, data, args.sample)
     for r in results.values():
         r["metrics_equal_cpu_run"] = r["metrics"] == reference
+    identical = cpu_metrics_identical(base)
     if args.json:
-        print(json.dumps({k: {f: v for f, v in r.items() if f != "metrics"} for k, r in results.items()}, indent=1))
+        print(json.dumps({**{k: {f: v for f, v in r.items() if f != "metrics"} for k, r in results.items()},
+                          "cpu_metrics_identical_to_main": identical}, indent=1))
         return 0
     rows = [
         ("observe: host syncs / param / version", "observe_syncs_per_param_version"),
@@ -139,6 +167,8 @@ def main(argv=None) -> int:
         cells = (("yes" if r[field] else "NO") if isinstance(r[field], bool) else str(round(r[field], 3))
                  for r in results.values())
         print(f"{label:{width}}  " + "  ".join(f"{c:>16}" for c in cells))
+    print(f"on CPU tensors, this tree's metrics are identical to {BASE}'s (gaps, repeats, fp32 served, growth, "
+          f"reports every 1/3/7 observations): {'yes' if identical else 'NO'}")
     return 0
 
 

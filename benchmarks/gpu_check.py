@@ -553,6 +553,9 @@ from faircast_plugins.cast import fair_cast
 from faircast_plugins.caster import FairCaster
 from faircast_plugins.config import FairCastConfig
 dev = torch.device(sys.argv[1])
+if dev.type == "cuda":
+    dev = torch.device("cuda", dev.index or 0)  # set_device and the mesh need an index
+    torch.cuda.set_device(dev)
 launches = []
 real_run = cast_mod._run
 def counted_run(items, mode, backend):
@@ -563,8 +566,6 @@ sock = socket.socket()
 sock.bind(("127.0.0.1", 0))
 port = sock.getsockname()[1]
 sock.close()
-if dev.type == "cuda":
-    torch.cuda.set_device(dev)
 backend = "nccl" if dev.type == "cuda" else "gloo"
 dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 mesh = init_device_mesh(dev.type, (1,))

@@ -720,16 +720,21 @@ def audit_checks() -> None:
     if not cuda:
         REPORT.skip("audit host syncs on CUDA (finding 8)", "no CUDA device (counted with a mocked device in tests/core)")
         return
-    x = torch.ones(8, device=DEV)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        float(x.sum())
-        caught = ""
-    except RuntimeError as exc:
-        caught = str(exc)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    check("negative control: sync debug mode 'error' catches a host sync (float(x.sum()))", bool(caught), caught[:200])
+    x = torch.ones(10_007, device=DEV)
+    plain = FairCaster(FairCastConfig(enabled=True, seed=77))  # the cast alone: tells a sync in observe from one in it
+    for what, call in (("FairCaster.cast on CUDA with the audit off: no host sync", lambda: plain.cast("w", x)),
+                       ("negative control: sync debug mode 'error' catches a host sync (float(x.sum()))",
+                        lambda: float(x.sum()))):
+        sync()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            caught = ""
+        except RuntimeError as exc:
+            caught = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        check(what, bool(caught) == what.startswith("negative"), caught[:200])
 
 
 def cast_many_device_checks() -> None:

@@ -77,6 +77,17 @@ def dequantize_blockwise(q: torch.Tensor, descale: torch.Tensor, *, block: int =
     return q.to(torch.float32) * full.to(torch.float32)
 
 
+#: 2-D ``*.weight`` tensors an fp8 vLLM engine under verl does NOT quantize: vLLM's embeddings and LM head are not
+#: ``LinearBase``, and verl's fp8 config ignores the MoE routers (``model.layers.N.mlp.gate``).
+NOT_QUANTIZED = ("embed_tokens.", "lm_head.", "mlp.gate.weight")
+
+
+def quantized_by_engine(name: str, tensor: torch.Tensor) -> bool:
+    """Whether verl's fp8 vLLM engine quantizes this exported tensor: the 2-D ``*.weight`` of a linear layer (a
+    Qwen2/Llama-style naming rule; biases, norms, embeddings, the LM head and packed 3-D experts stay bf16)."""
+    return tensor.dim() == 2 and name.endswith(".weight") and not any(s in name for s in NOT_QUANTIZED)
+
+
 def served_fp8(x: torch.Tensor, *, block: int = BLOCK, scales: str = "verl") -> torch.Tensor:
     """``dequantize(quantize(x))``: the fp8 engine's weight for a 2-D ``x``; 3-D (packed experts) per leading
     index, as verl quantizes each expert's 2-D weight."""

@@ -11,6 +11,7 @@ from typing import Optional
 from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
+from . import fp8 as fc_fp8
 from .config import check_supported, read_faircast
 
 logger = logging.getLogger("faircast_plugins")
@@ -116,6 +117,9 @@ def _wrap_init_model(original):
         if not isinstance(engine, FSDPEngine):
             raise ValueError(f"actor_rollout_ref.faircast supports verl's FSDP engines, not {type(engine).__name__}")
         state = fc_engine.activate(engine, config)
+        if fc_fp8.attach(state, self.config):
+            logger.warning("Fair Cast: rollout.quantization=fp8: the audit measures the fp8 copy verl's engine "
+                           "computes with (at each export; docs/verl.md)")
         logger.warning(
             "Fair Cast ACTIVE on the verl actor (role=%s, strategy=%s): %s; %d parameters cast by Fair Cast in FSDP "
             "and in the export to the rollout; reference/critic models untouched",

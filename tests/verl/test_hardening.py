@@ -166,6 +166,19 @@ def test_rollout_quantization_fp8_is_accepted_without_a_config_file():
         check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
 
 
+@pytest.mark.parametrize("quantization", ["fp8", None])
+def test_fp8_loss_opt_in_is_refused_with_its_reasons(quantization):
+    over = ["+actor_rollout_ref.faircast={enable:true,fp8_loss:true}"]
+    if quantization:
+        over.append(f"actor_rollout_ref.rollout.quantization={quantization}")
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + over)
+    fc = read_faircast(cfg.actor_rollout_ref)  # a known option: the config parses
+    with pytest.raises(ValueError, match="fp8_loss .* is not implemented.*spans shards.*not representable in bf16"):
+        check_supported(fc, cfg.actor_rollout_ref)
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast={enable:true,fp8_loss:false}"])
+    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)  # control: false is accepted
+
+
 def test_merged_lora_needs_the_explicit_opt_in():
     merge = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"]
     cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true", *merge])

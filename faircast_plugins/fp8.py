@@ -78,8 +78,9 @@ def dequantize_blockwise(q: torch.Tensor, descale: torch.Tensor, *, block: int =
 
 
 #: 2-D ``*.weight`` tensors an fp8 vLLM engine under verl does NOT quantize: vLLM's embeddings and LM head are not
-#: ``LinearBase``, and verl's fp8 config ignores the MoE routers (``model.layers.N.mlp.gate``).
-NOT_QUANTIZED = ("embed_tokens.", "lm_head.", "mlp.gate.weight")
+#: ``LinearBase``, verl's fp8 config ignores the MoE routers (``model.layers.N.mlp.gate``), and LoRA adapters are
+#: loaded apart from the base layers.
+NOT_QUANTIZED = ("embed_tokens.", "lm_head.", "mlp.gate.weight", ".lora_")
 
 
 def quantized_by_engine(name: str, tensor: torch.Tensor) -> bool:

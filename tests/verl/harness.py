@@ -162,6 +162,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     init_status = worker.init_model()
     if case.get("delta_versions"):
         return delta_versions(worker, case, opts, world)
+    if case.get("export_versions"):
+        return export_versions(worker, case, opts, world)
     engine = worker.actor.engine
     if case.get("export_only"):
         # Negative control for the trainer half: Fair Cast on for the export only; FSDP keeps its stock cast.
@@ -305,6 +307,36 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
     torch.distributed.all_reduce(sent)  # each rank sends the changes of its own shards
     return {"changed": sent.tolist(), "total": total, "metrics": metrics,
             "lr": engine.optimizer.param_groups[0]["lr"]}
+
+
+def export_versions(worker, case: dict, opts: dict, world: int) -> dict:
+    """A full export (``update_weights(mode="naive")``) at version 0 and after each of ``export_versions`` steps of
+    one optimizer step each (``update_actor``): per version the exported tensors, the full fp32 masters, and the
+    ``faircast/*`` metrics ``update_actor`` returned (the audit, reduced over every rank)."""
+    from verl.utils import tensordict_utils as tu
+
+    from tests.verl.shims import cpu_platform
+
+    engine = worker.actor.engine
+    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
+    mb = opts["batch"] * world  # one mini-batch: one optimizer step, one weight version per update_actor
+    exported, masters, metrics = [], [], []
+    for version in range(case["export_versions"] + 1):
+        if version:
+            td = data.clone()
+            tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                                 global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                                 dataloader_kwargs={"shuffle": False}, compute_loss=True)
+            out = worker.update_actor(td)
+            step_metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
+            metrics.append({k: float(v[-1] if isinstance(v, list) else v) for k, v in step_metrics.items()
+                            if k.startswith("faircast/")})
+        cpu_platform.RECEIVED.clear()
+        asyncio.run(worker.update_weights(mode="naive"))
+        exported.append({k: v.clone() for part in cpu_platform.RECEIVED for k, v in part.items()})
+        masters.append(full_masters(engine.module))
+    return {"rank": torch.distributed.get_rank(), "exported_by_version": exported, "masters_by_version": masters,
+            "metrics": metrics}
 
 
 def run(opts: dict) -> None:

@@ -20,6 +20,8 @@ from faircast_plugins.verl import engine as fc_engine
 from faircast_plugins.verl import fp8 as fc_fp8
 
 from . import fp8_receive
+from .conftest import SEED, run_ranks
+from .test_fp8_rollout import FP8
 
 NAMES = ("model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight")  # quantized, and not
 FP8_CFG = SimpleNamespace(rollout={"quantization": "fp8"})
@@ -86,4 +88,59 @@ def test_fp8_audit_detaches_the_shard_casts():
     assert not quantized_by_engine(NAMES[1], torch.zeros(4, 4))
     assert not quantized_by_engine("model.layers.0.mlp.gate.weight", torch.zeros(4, 4))
     assert not quantized_by_engine("model.norm.weight", torch.zeros(4))
+    assert not quantized_by_engine("model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 4))
     assert not fc_fp8.attach(_state(FairCastConfig(enabled=True, seed=7), fp8=False), FP8_CFG)  # no audit: nothing
+
+
+# -- through verl's real worker ---------------------------------------------------------------------------------
+
+AUDIT_CASES = {1: [dict(name="fsdp2_fp8_audit", strategy="fsdp2", export_versions=4,
+                        overrides=[f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}", FP8]),
+                   dict(name="fsdp2_fp8_audit_off", strategy="fsdp2", export_versions=4,
+                        overrides=["+actor_rollout_ref.faircast={enable:false,audit:true}", FP8])],
+               2: [dict(name="fsdp_fp8_audit", strategy="fsdp", export_versions=4,
+                        overrides=[f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},audit:true}}", FP8])]}
+AUDIT_IDS = [(w, c["name"]) for w, cs in AUDIT_CASES.items() for c in cs]
+_AUDIT_RUNS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def fp8_audit_runs(tmp_path_factory, model_dir):
+    def get(world):
+        if world not in _AUDIT_RUNS:
+            out = tmp_path_factory.mktemp(f"fp8_audit_world{world}")
+            _AUDIT_RUNS[world] = run_ranks(out, model_dir=model_dir, world=world, cases=AUDIT_CASES[world])
+        return _AUDIT_RUNS[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world, case", AUDIT_IDS, ids=[f"{c}-world{w}" for w, c in AUDIT_IDS])
+def test_worker_metrics_measure_the_fp8_engines_copy(fp8_audit_runs, world, case):
+    """verl's worker, rollout.quantization=fp8, audit on, one optimizer step per update_actor and a full export per
+    version: the metrics update_actor returns equal an audit by hand on (full master, dequantize(verl's
+    quant_weights of that version's export)); control: the same audit on the bf16 export gives other numbers."""
+    results = fp8_audit_runs(world)[case]
+    r0 = results[0]
+    audit, bf16_audit = Audit(4096), Audit(4096)
+    by_hand, bf16 = [], []
+    for version, (exported, masters) in enumerate(zip(r0["exported_by_version"], r0["masters_by_version"])):
+        received = fp8_receive.engine_receives(exported)
+        for name, x in masters.items():
+            got = received[name]
+            engine = dequantize_blockwise(got, received[name + "_scale_inv"]) if got.dtype == torch.float8_e4m3fn \
+                else got.to(torch.bfloat16)
+            audit.observe(name, version, x, engine)
+            bf16_audit.observe(name, version, x, exported[name].to(torch.bfloat16))
+        if version < len(r0["metrics"]):  # update_actor of version+1 reports the exports up to this version
+            by_hand.append(audit.metrics())
+            bf16.append(bf16_audit.metrics())
+    assert len(r0["metrics"]) == 4
+    reported = [{k: v for k, v in m.items() if k != "faircast/version"} for m in r0["metrics"]]
+    assert reported[0] == {} and by_hand[0] == {}  # one version observed: nothing to compare yet
+    for got, want, control in zip(reported[1:], by_hand[1:], bf16[1:]):
+        assert set(got) == set(want) and "faircast/lag_steps" in got
+        assert all(got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-15) for k in want), (got, want)
+        assert any(got[k] != pytest.approx(control[k], rel=1e-6) for k in want), (got, control)
+    for r in results[1:]:
+        assert r["metrics"] == r0["metrics"]  # reduced over every rank

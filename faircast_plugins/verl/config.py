@@ -22,19 +22,14 @@ def _plain(value: Any) -> Any:
 
 #: Options of the ``faircast`` mapping that only the verl adapter reads (the rest is :class:`FairCastConfig`).
 #: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
-#: ``fp8_loss``: the trainer's forward on the dequantized fp8 copy (with ``rollout.quantization: fp8``): REFUSED,
-#: see :data:`FP8_LOSS_REFUSED` (named so that asking for it is a clear error, not an unknown key).
+#: ``fp8_loss``: with ``rollout.quantization: fp8``, the actor's forward runs its quantized linear layers on the
+#: dequantized fp8 copy (fp32, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
 VERL_OPTIONS = ("allow_merged_lora", "fp8_loss")
 
-FP8_LOSS_REFUSED = (
-    "actor_rollout_ref.faircast.fp8_loss (the actor's forward on the dequantized fp8 copy) is not implemented: "
-    "(1) FSDP makes the compute copy per shard before its all-gather, while verl's fp8 block scale is the amax of a "
-    "128x128 block of the full weight, which spans shards (one more collective per parameter inside FSDP's cast); "
-    "(2) fp8 * descale is not representable in bf16, so a bf16 forward cannot compute with the engine's weights bit "
-    "for bit (the quantized layers would need an fp32 compute copy); (3) verl's fp8 engine also quantizes the "
-    "activations (activation_scheme: dynamic), which no weight copy reproduces. The actor's loss runs on the bf16 "
-    "copy Fair Cast serves to verl's quantizer. Remove fp8_loss; for the trainer/engine gap use verl's "
-    "algorithm.rollout_correction (docs/verl.md, fp8 rollouts)."
+FP8_LOSS_NEEDS_FP8 = (
+    "actor_rollout_ref.faircast.fp8_loss: true (the actor's forward on the dequantized fp8 copy) needs "
+    "actor_rollout_ref.rollout.quantization=fp8: without it the engine serves the bf16 copy, and the forward "
+    "would compute with weights the engine never sees. Set rollout.quantization=fp8, or remove fp8_loss."
 )
 
 
@@ -114,9 +109,9 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"with FSDP1, verl 0.9.1's adapter export came out empty in our checks, so the served adapters could "
             f"not be verified."
         )
-    if verl_option(worker_config, "fp8_loss"):
-        raise ValueError(FP8_LOSS_REFUSED)
     quantization = rollout_quantization(worker_config)
+    if verl_option(worker_config, "fp8_loss") and quantization != "fp8":
+        raise ValueError(FP8_LOSS_NEEDS_FP8)
     if quantization and quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but rollout.quantization={quantization!r}: that quantizer re-rounds "

@@ -44,3 +44,52 @@ def metrics_source(state):
     """What :func:`faircast_plugins.audit.reduce_metrics` reads (a caster's ``version`` and ``audit``)."""
     audit = getattr(state, "fp8_audit", None)
     return state.caster if audit is None else SimpleNamespace(version=state.caster.version, audit=audit)
+
+
+# -- the loss on the fp8 copy (opt-in: faircast.fp8_loss) ----------------------------------------------------
+
+
+class _StraightThroughFp8(torch.autograd.Function):
+    """Forward: the dequantized fp8 copy of the (full, bf16) compute weight; backward: the gradient unchanged, in
+    the weight's dtype (straight through to FSDP's gradient of the fp32 master)."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.dtype = weight.dtype
+        return served_fp8(weight.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype)
+
+
+def compute_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight the actor's forward uses for linear layer ``name`` under ``fp8_loss`` (fp32 values
+    ``fp8 * descale`` of verl's quantizer, from FSDP's full bf16 compute copy)."""
+    return _StraightThroughFp8.apply(weight)
+
+
+def _fp8_forward(module: torch.nn.Linear, name: str):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = compute_weight(name, module.weight)  # full here: FSDP all-gathered it for this forward
+        bias = module.bias.to(torch.float32) if module.bias is not None else None
+        with torch.autocast(device_type=x.device.type, enabled=False):  # autocast would round the weight to bf16
+            return torch.nn.functional.linear(x.to(torch.float32), weight, bias).to(x.dtype)
+
+    return forward
+
+
+def enable_fp8_loss(module: torch.nn.Module) -> int:
+    """``faircast.fp8_loss``: every linear layer verl's fp8 engine quantizes computes, in the actor's forward (old
+    log-probs and loss), with the dequantized fp8 copy of FSDP's bf16 compute weight, in fp32, gradient straight
+    through. Returns how many layers it changed."""
+    from ..key import canonical_name
+
+    count = 0
+    for prefix, sub in module.named_modules():
+        weight = getattr(sub, "weight", None)
+        name = canonical_name(f"{prefix}.weight")
+        if isinstance(sub, torch.nn.Linear) and weight is not None and quantized_by_engine(name, weight):
+            sub.forward = _fp8_forward(sub, name)
+            count += 1
+    return count

@@ -128,6 +128,24 @@ class ForwardRecorder:
         return seen
 
 
+def _record_fp8_weights() -> dict:
+    """Record, by canonical name, the last weight each ``fp8_loss`` linear layer computed with (wraps
+    ``faircast_plugins.verl.fp8.compute_weight``, which the layers look up at each call)."""
+    from faircast_plugins.verl import fp8 as fc_fp8
+
+    seen = {}
+    original = getattr(fc_fp8.compute_weight, "__wrapped__", fc_fp8.compute_weight)
+
+    def compute_weight(name, weight):
+        out = original(name, weight)
+        seen[name] = out.detach().clone()
+        return out
+
+    compute_weight.__wrapped__ = original
+    fc_fp8.compute_weight = compute_weight
+    return seen
+
+
 def full_masters(module) -> dict:
     """Full fp32 masters of an FSDP1/FSDP2 module, by canonical name (every rank gets all of them)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -171,6 +189,7 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
 
         unregister_fsdp_module(engine.module)
     recorder = ForwardRecorder(engine.module)
+    fp8_seen = _record_fp8_weights() if case.get("record_fp8_weights") else None
     data = make_batch(opts["batch"], 6, 10, opts["vocab"])
 
     from verl.utils import tensordict_utils as tu
@@ -183,6 +202,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     result = {"rank": torch.distributed.get_rank(), "init_status": init_status}
     log_prob()
     result["forward_v0"] = recorder.take()
+    if fp8_seen is not None:  # faircast.fp8_loss: the weights the quantized linear layers computed with
+        result["forward_fp8_v0"] = dict(fp8_seen)
     result["masters_v0"] = full_masters(engine.module)
     # the full masters after each optimizer step (stateful modes: the reference replays every version)
     result["masters_by_step"] = steps = []
@@ -264,6 +285,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     result["masters"] = full_masters(engine.module)
     log_prob()
     result["forward"] = recorder.take()
+    if fp8_seen is not None:
+        result["forward_fp8"] = dict(fp8_seen)
 
     state = state_of(engine)
     result["version"] = state.caster.version if state is not None else None

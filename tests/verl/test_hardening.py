@@ -166,17 +166,15 @@ def test_rollout_quantization_fp8_is_accepted_without_a_config_file():
         check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
 
 
-@pytest.mark.parametrize("quantization", ["fp8", None])
-def test_fp8_loss_opt_in_is_refused_with_its_reasons(quantization):
-    over = ["+actor_rollout_ref.faircast={enable:true,fp8_loss:true}"]
-    if quantization:
-        over.append(f"actor_rollout_ref.rollout.quantization={quantization}")
-    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + over)
-    fc = read_faircast(cfg.actor_rollout_ref)  # a known option: the config parses
-    with pytest.raises(ValueError, match="fp8_loss .* is not implemented.*spans shards.*not representable in bf16"):
-        check_supported(fc, cfg.actor_rollout_ref)
-    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast={enable:true,fp8_loss:false}"])
-    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)  # control: false is accepted
+def test_fp8_loss_needs_rollout_quantization_fp8():
+    """faircast.fp8_loss (the actor's forward on the fp8 copy, tests/verl/test_fp8_loss.py) is accepted with
+    rollout.quantization=fp8 and refused without it (the engine would serve bf16)."""
+    opt = "+actor_rollout_ref.faircast={enable:true,fp8_loss:true}"
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt, "actor_rollout_ref.rollout.quantization=fp8"])
+    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt])
+    with pytest.raises(ValueError, match="fp8_loss: true .* needs actor_rollout_ref.rollout.quantization=fp8"):
+        check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
 
 
 def test_merged_lora_needs_the_explicit_opt_in():

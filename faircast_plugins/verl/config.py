@@ -112,6 +112,12 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     quantization = rollout_quantization(worker_config)
     if verl_option(worker_config, "fp8_loss") and quantization != "fp8":
         raise ValueError(FP8_LOSS_NEEDS_FP8)
+    if verl_option(worker_config, "fp8_loss") and lora:
+        raise ValueError(
+            "actor_rollout_ref.faircast.fp8_loss with LoRA is not supported: the fp8 forward replaces whole linear "
+            "layers, and how verl's fp8 engine serves LoRA base weights and adapters was not checked. Use fp8_loss "
+            "without LoRA, or LoRA without fp8_loss."
+        )
     if quantization and quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but rollout.quantization={quantization!r}: that quantizer re-rounds "

@@ -175,6 +175,10 @@ def test_fp8_loss_needs_rollout_quantization_fp8():
     cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt])
     with pytest.raises(ValueError, match="fp8_loss: true .* needs actor_rollout_ref.rollout.quantization=fp8"):
         check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt, "actor_rollout_ref.rollout.quantization=fp8",
+                                                          "actor_rollout_ref.model.lora_rank=4"])
+    with pytest.raises(ValueError, match="fp8_loss with LoRA is not supported"):
+        check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
 
 
 def test_merged_lora_needs_the_explicit_opt_in():

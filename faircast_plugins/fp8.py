@@ -44,7 +44,8 @@ def _check_scales(scales: str) -> None:
         raise ValueError(f"fp8 scales must be one of {', '.join(SCALES)}, got {scales!r}")
 
 
-def quantize_blockwise(x: torch.Tensor, *, block: int = BLOCK, scales: str = "verl") -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, *, block: int = BLOCK,
+                       scales: str = "verl") -> Tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 bytes of x's shape, descale of shape (ceil(rows/block), ceil(cols/block)))`` of a 2-D tensor, as verl
     quantizes ``x.to(bfloat16)`` (``scales="verl"``) or with power-of-two descales (``"pow2"``, an emulation)."""
     _check_scales(scales)

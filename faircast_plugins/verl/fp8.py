@@ -1,4 +1,4 @@
-"""verl's ``rollout.quantization: fp8`` with Fair Cast: the audit measures what the fp8 engine computes with.
+"""verl's ``rollout.quantization: fp8`` with Fair Cast: the audit on the fp8 copy, and the ``fp8_loss`` opt-in.
 
 With fp8, verl's vLLM engine quantizes every linear weight it receives (``quant_weights`` ->
 ``scaled_fp8_blockwise``, 128x128 blocks, e4m3): Fair Cast's export stays the served bf16 copy and verl's quantizer
@@ -12,6 +12,9 @@ tensors, so the sums grow by the world size and every ratio stays the same), at 
 export; between two exports more than one version apart it restarts its window (no metrics for that interval),
 so lag is reported when each ``update_actor`` takes one optimizer step (``ppo_mini_batch_size`` = the train batch).
 Delta syncs (``get_per_tensor_param_shard``) are not observed.
+
+``faircast.fp8_loss`` (:func:`enable_fp8_loss`): the actor's quantized linear layers compute with the dequantized
+fp8 copy of FSDP's full bf16 compute weight, in fp32, with a straight-through gradient.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from ..fp8 import quantized_by_engine, served_fp8
 from .config import rollout_quantization
+
 
 def attach(state, worker_config) -> bool:
     """With ``rollout.quantization: fp8`` and the audit on: move the audit from FSDP's shard casts to the export's

@@ -73,7 +73,7 @@ def test_forward_computes_with_verls_fp8_copy(fp8_loss_runs, world, case):
                 served = fair_cast(masters[name], key=derive_key(SEED, version, name))
                 want = dequantize_blockwise(*fp8_receive.verl_quantize(served))
                 assert seen[name].dtype == torch.float32
-                assert torch.equal(seen[name].view(torch.int32), want.view(torch.int32)), f"rank {r['rank']} {key} {name}"
+                assert torch.equal(seen[name].view(torch.int32), want.view(torch.int32)), (r["rank"], key, name)
         for name in linear:  # what the fp8 engine loads from the export: the same weights
             loaded = dequantize_blockwise(engine[name], engine[name + "_scale_inv"])
             assert torch.equal(r["forward_fp8"][name], loaded), name

@@ -13,7 +13,14 @@ an integer ``k`` (``fp32-delayed@k`` only). Bases:
 ``fp32-delayed@k``  the engine serves the fp32 master from k steps ago: the standard export as a pure delay?
 ``export-only``     ablation: unbiased (stochastic) export, loss on the fp32 master
 ``loss-only``       ablation: round-to-nearest export, loss on the served (round-to-nearest) copy
+``standard-fp8``    ``standard``, then verl's fp8 stage: the engine serves the dequantized blockwise-e4m3 copy
+                    of round-to-nearest (an EMULATION of an fp8 engine: fp32 weights ``fp8 * descale``)
+``faircast-fp8``    ``faircast``, then the same fp8 stage on the Fair Cast copy (loss on the bf16 served copy)
 ==================  ==========================================================================================
+
+The fp8 arms quantize each linear weight as verl's ``quant_weights`` does (``faircast_plugins.fp8``, bit-identical
+to verl's PyTorch quantizer) and load the dequantized values into an fp32 engine: the weights an fp8 engine
+computes with, not its fp8 kernels (records say ``engine: emulated fp8 ...``).
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ class Arm:
     engine_dtype: str = "bfloat16"   # what the vLLM engine holds
     delay: int = 0                   # serve the master from this many steps ago (fp32 engine)
     export: str = "trainer"          # "trainer": what TRL (+ the adapter) exports; "stochastic": SR of the master
+    fp8: bool = False                # then verl's fp8 stage; the (fp32) engine holds the dequantized fp8 copy
 
     @property
     def kind(self) -> str:
@@ -52,7 +60,13 @@ BASES = {
     "fp32-delayed": Arm("fp32-delayed", engine_dtype="float32"),
     "export-only": Arm("export-only", export="stochastic"),
     "loss-only": Arm("loss-only", faircast=True, mode="nearest"),
+    "standard-fp8": Arm("standard-fp8", engine_dtype="float32", fp8=True),
+    "faircast-fp8": Arm("faircast-fp8", faircast=True, engine_dtype="float32", fp8=True),
 }
+
+#: How records describe the engine of an fp8 arm.
+FP8_ENGINE = ("emulated fp8 engine: verl-style blockwise e4m3 (128x128, scale 448/amax) of each linear weight, "
+              "dequantized into an fp32 vLLM engine")
 
 
 def parse_arm(name: str) -> Arm:

@@ -37,9 +37,10 @@ import torch
 
 from ..audit import Audit
 from ..cast import fair_cast
+from ..fp8 import quantized_by_engine, served_fp8
 from ..key import canonical_name, derive_key, sticky_key
 from ..vllm_cpu import keep_weights_reloadable
-from .arms import parse_arm
+from .arms import FP8_ENGINE, parse_arm
 from .protocol import COMPUTE, READOUTS
 from .provenance import code_provenance, machine, versions
 from .scoring import Encoded, encode, score_model, summarize
@@ -60,12 +61,40 @@ def _masters(trainer) -> Dict[str, torch.Tensor]:
     return params
 
 
+def fp8_engine_copy(name: str, served: torch.Tensor) -> torch.Tensor:
+    """What an fp8 engine under verl computes with for ``served``: ``served.to(bf16)`` (verl's ``quant_weights``),
+    then for linear weights the dequantized blockwise-e4m3 copy (fp32); other tensors keep their bf16 value."""
+    bf16 = served.detach().to(torch.bfloat16)
+    return served_fp8(bf16) if quantized_by_engine(name, bf16) else bf16.to(torch.float32)
+
+
+def _no_stage(name: str, served: torch.Tensor) -> torch.Tensor:
+    return served
+
+
+def _allow_fp32_engine_for_fp8() -> None:
+    """An fp8 arm with Fair Cast loads the dequantized fp8 copy (fp32 values) into an fp32 engine on purpose: the
+    TRL adapter's bf16-engine refusal (which protects the bit-exact bf16 contract) is waived for float32 only, in
+    this run's process; any other dtype is still refused."""
+    from ..trl import patches as trl_patches
+
+    check = trl_patches.check_engine_dtype
+
+    def check_engine_dtype(trainer_name, llm):
+        dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+        if dtype != torch.float32:
+            check(trainer_name, llm)
+
+    trl_patches.check_engine_dtype = check_engine_dtype
+
+
 class EngineExport:
     """Wraps the trainer's engine-bound export: applies the arm's rule and audits what the engine received."""
 
     def __init__(self, trainer, arm, fc_seed: int, audit_sample: int):
         self.trainer, self.arm, self.fc_seed = trainer, arm, fc_seed
         self.engine_dtype = getattr(torch, arm.engine_dtype)  # what the engine holds
+        self.stage = fp8_engine_copy if arm.fp8 else _no_stage  # fp8 arms: verl's fp8 stage after the export
         self.audit = Audit(audit_sample)
         self.history: "OrderedDict[int, Dict[str, torch.Tensor]]" = OrderedDict()  # fp32-delayed: step -> masters
         self.last_sent: List[Tuple[str, torch.Tensor]] = []  # the last sync, as sent: readouts restore it
@@ -91,7 +120,7 @@ class EngineExport:
                 self.history.popitem(last=False)
         self.last_sent = []
         for name, exported in self.original(*args, **kwargs):
-            served = self._served(step, masters, name, exported)
+            served = self.stage(name, self._served(step, masters, name, exported))
             self.last_sent.append((name, served.detach().clone()))
             cname = canonical_name(name)
             # what the engine holds: vLLM copies the tensor into its weights (fp32 -> bf16 rounds to nearest)
@@ -127,12 +156,13 @@ class EngineEval:
     """Held-out success through the engine (the served copy, and readouts of the master), and of the fp32 master
     through an HF forward."""
 
-    def __init__(self, trainer, enc: Encoded, model_dir: str, seed: int, engine_dtype: str):
+    def __init__(self, trainer, enc: Encoded, model_dir: str, seed: int, engine_dtype: str, stage=_no_stage):
         from transformers import AutoModelForCausalLM
         from vllm import SamplingParams
 
         self.trainer, self.enc, self.seed = trainer, enc, seed
         self.engine_dtype = getattr(torch, engine_dtype)
+        self.stage = stage  # fp8 arms: readouts go through the same fp8 stage as the arm's export
         device = next(trainer.accelerator.unwrap_model(trainer.model).parameters()).device
         self.master_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.scored = [{"prompt_token_ids": p + a} for p, a in zip(enc.prompt_ids, enc.answer_ids)]
@@ -190,7 +220,8 @@ class EngineEval:
         names = [(name, canonical_name(name)) for name, _ in sent]
         out = {}
         for kind in READOUTS:
-            copy = [(name, readout_copy(kind, masters[cname], self.seed, step, cname)) for name, cname in names]
+            copy = [(name, self.stage(name, readout_copy(kind, masters[cname], self.seed, step, cname)))
+                    for name, cname in names]
             self._load(copy)
             out.update({f"{kind}_{k}": v for k, v in self.score().items()})
             out[f"{kind}_is_served"] = all(torch.equal(c.to(self.engine_dtype), s.to(self.engine_dtype))
@@ -248,6 +279,8 @@ def run(spec: dict) -> dict:
         return engine_llm(*args, **{**kwargs, "seed": seed, "dtype": arm.engine_dtype})
 
     vllm_generation.LLM = llm_for_arm
+    if arm.fp8 and arm.faircast:
+        _allow_fp32_engine_for_fp8()
     compute = spec["compute"]
     if compute not in COMPUTE:
         raise ValueError(f"spec compute must be one of {', '.join(COMPUTE)}, got {compute!r}")
@@ -310,10 +343,11 @@ def run(spec: dict) -> dict:
     if mixed != ("bf16" if compute == "bf16-autocast" else "no"):
         raise RuntimeError(f"compute {compute!r} asked for, but accelerate runs mixed_precision={mixed!r}")
     export = EngineExport(trainer, arm, fc_seed, int(spec.get("audit_sample", 4096)))
-    evaluator = EngineEval(trainer, enc, model_dir, seed, arm.engine_dtype)
+    evaluator = EngineEval(trainer, enc, model_dir, seed, arm.engine_dtype, export.stage)
     trainer.train()
     return {"spec": {k: v for k, v in spec.items() if k not in ("train", "heldout")}, "arm": arm.name,
-            "seed": seed, "lr": lr, "compute": compute, "mixed_precision": mixed, "code": code_provenance(),
+            "seed": seed, "lr": lr, "compute": compute, "engine": FP8_ENGINE if arm.fp8 else arm.engine_dtype,
+            "mixed_precision": mixed, "code": code_provenance(),
             "versions": versions(), "machine": machine(), "trl_config": _jsonable(config.to_dict()),
             "steps": records, "evals": evals, "wall_s": time.time() - start}
 

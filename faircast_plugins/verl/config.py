@@ -22,7 +22,15 @@ def _plain(value: Any) -> Any:
 
 #: Options of the ``faircast`` mapping that only the verl adapter reads (the rest is :class:`FairCastConfig`).
 #: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
-VERL_OPTIONS = ("allow_merged_lora",)
+#: ``fp8_loss``: with ``rollout.quantization: fp8``, the actor's forward runs its quantized linear layers on the
+#: dequantized fp8 copy (fp32, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
+VERL_OPTIONS = ("allow_merged_lora", "fp8_loss")
+
+FP8_LOSS_NEEDS_FP8 = (
+    "actor_rollout_ref.faircast.fp8_loss: true (the actor's forward on the dequantized fp8 copy) needs "
+    "actor_rollout_ref.rollout.quantization=fp8: without it the engine serves the bf16 copy, and the forward "
+    "would compute with weights the engine never sees. Set rollout.quantization=fp8, or remove fp8_loss."
+)
 
 
 def _value(worker_config: Any) -> Any:
@@ -57,6 +65,18 @@ def verl_option(worker_config: Any, name: str) -> bool:
     return parse_bool(value[name], f"actor_rollout_ref.faircast.{name}")
 
 
+#: ``rollout.quantization`` values Fair Cast accepts: verl's fp8 quantizer then quantizes the served bf16 copy
+#: (``quant_weights`` -> ``scaled_fp8_blockwise`` in the vLLM engine), unchanged (docs/verl.md, "fp8 rollouts").
+SUPPORTED_QUANTIZATION = ("fp8",)
+
+
+def rollout_quantization(worker_config: Any) -> Optional[str]:
+    """``actor_rollout_ref.rollout.quantization`` (None when unset)."""
+    rollout = getattr(worker_config, "rollout", None)
+    value = rollout.get("quantization", None) if rollout is not None else None
+    return str(value) if value else None
+
+
 def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     """Refuse, with the reason, the combinations verl's FSDP adapter cannot make bit-exact."""
     strategy = worker_config.actor.strategy
@@ -89,12 +109,27 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"with FSDP1, verl 0.9.1's adapter export came out empty in our checks, so the served adapters could "
             f"not be verified."
         )
-    quantization = worker_config.rollout.get("quantization", None)
-    if quantization:
+    quantization = rollout_quantization(worker_config)
+    if verl_option(worker_config, "fp8_loss") and quantization != "fp8":
+        raise ValueError(FP8_LOSS_NEEDS_FP8)
+    if verl_option(worker_config, "fp8_loss") and lora:
         raise ValueError(
-            f"actor_rollout_ref.faircast is set but rollout.quantization={quantization!r}: the rollout engine would "
-            f"re-quantize the bf16 copy Fair Cast serves, so it would not serve that copy (and the actor's loss would "
-            f"not run on what was served). Remove rollout.quantization (serve bf16), or turn Fair Cast off."
+            "actor_rollout_ref.faircast.fp8_loss with LoRA is not supported: the fp8 forward replaces whole linear "
+            "layers, and how verl's fp8 engine serves LoRA base weights and adapters was not checked. Use fp8_loss "
+            "without LoRA, or LoRA without fp8_loss."
+        )
+    if quantization and quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(
+            f"actor_rollout_ref.faircast is set but rollout.quantization={quantization!r}: that quantizer re-rounds "
+            f"the bf16 copy Fair Cast serves in a way not checked here. Supported with Fair Cast: "
+            f"{', '.join(SUPPORTED_QUANTIZATION)} (verl's blockwise e4m3 quantizer runs after Fair Cast's bf16 stage, "
+            f"docs/verl.md), or no rollout.quantization (serve bf16), or turn Fair Cast off."
+        )
+    if quantization and worker_config.rollout.get("quantization_config_file", None):
+        raise ValueError(
+            f"actor_rollout_ref.faircast with rollout.quantization={quantization!r} and a quantization_config_file: "
+            f"the file can change verl's fp8 block size and scheme, which the audit's fp8 copy and the tests assume "
+            f"to be verl's default (128x128 blocks, e4m3). Remove rollout.quantization_config_file."
         )
     rollout_dtype = str(worker_config.rollout.get("dtype", "bfloat16"))
     if rollout_dtype not in ("bfloat16", "bf16"):

@@ -16,6 +16,7 @@ from ..config import FairCastConfig
 from ..export import save_state
 from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout
 from ..key import canonical_name
+from . import fp8 as fc_fp8
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -36,6 +37,7 @@ class EngineFairCast:
     snapshots: Dict[Any, dict] = field(default_factory=dict)
     newest: int = 0  # the newest weight version this engine reached (the audit follows that one only)
     audit: Any = None  # the caster's audit, detached while an older version's masters are restored
+    fp8_audit: Any = None  # rollout.quantization=fp8: the audit, observing the export's fp8 copy (verl/fp8.py)
 
     @property
     def stateful(self) -> bool:
@@ -113,9 +115,11 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
         seen.add(canonical)
         if state.stateful:
             shards = registered_shards(state.module) if shards is None else shards
-            yield name, served_full(state, canonical, tensor.shape, tensor.device, shards)
+            q = served_full(state, canonical, tensor.shape, tensor.device, shards)
         else:
-            yield name, _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
+            q = _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
+        fc_fp8.observe_export(state, canonical, tensor, q)
+        yield name, q
     missing = state.canonical - seen
     if missing and not state.peft:
         raise RuntimeError(
@@ -323,4 +327,4 @@ def load(state: EngineFairCast, local_path: str) -> bool:
 
 def metrics(state: EngineFairCast, device=None) -> Dict[str, float]:
     """``faircast/*`` metrics since the last call, summed over every rank (collective when distributed)."""
-    return reduce_metrics(state.caster, device=device)
+    return reduce_metrics(fc_fp8.metrics_source(state), device=device)

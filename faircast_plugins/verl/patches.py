@@ -11,7 +11,8 @@ from typing import Optional
 from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
-from .config import check_supported, read_faircast
+from . import fp8 as fc_fp8
+from .config import check_supported, read_faircast, verl_option
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -116,6 +117,13 @@ def _wrap_init_model(original):
         if not isinstance(engine, FSDPEngine):
             raise ValueError(f"actor_rollout_ref.faircast supports verl's FSDP engines, not {type(engine).__name__}")
         state = fc_engine.activate(engine, config)
+        if fc_fp8.attach(state, self.config):
+            logger.warning("Fair Cast: rollout.quantization=fp8: the audit measures the fp8 copy verl's engine "
+                           "computes with (at each export; docs/verl.md)")
+        if verl_option(self.config, "fp8_loss"):
+            n = fc_fp8.enable_fp8_loss(engine.module)
+            logger.warning("Fair Cast fp8_loss: %d linear layers of the actor compute with the dequantized fp8 copy "
+                           "(fp32, straight-through gradient); the fp8 engine's own kernels were not verified", n)
         logger.warning(
             "Fair Cast ACTIVE on the verl actor (role=%s, strategy=%s): %s; %d parameters cast by Fair Cast in FSDP "
             "and in the export to the rollout; reference/critic models untouched",

@@ -128,6 +128,24 @@ class ForwardRecorder:
         return seen
 
 
+def _record_fp8_weights() -> dict:
+    """Record, by canonical name, the last weight each ``fp8_loss`` linear layer computed with (wraps
+    ``faircast_plugins.verl.fp8.compute_weight``, which the layers look up at each call)."""
+    from faircast_plugins.verl import fp8 as fc_fp8
+
+    seen = {}
+    original = getattr(fc_fp8.compute_weight, "__wrapped__", fc_fp8.compute_weight)
+
+    def compute_weight(name, weight):
+        out = original(name, weight)
+        seen[name] = out.detach().clone()
+        return out
+
+    compute_weight.__wrapped__ = original
+    fc_fp8.compute_weight = compute_weight
+    return seen
+
+
 def full_masters(module) -> dict:
     """Full fp32 masters of an FSDP1/FSDP2 module, by canonical name (every rank gets all of them)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -162,6 +180,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     init_status = worker.init_model()
     if case.get("delta_versions"):
         return delta_versions(worker, case, opts, world)
+    if case.get("export_versions"):
+        return export_versions(worker, case, opts, world)
     engine = worker.actor.engine
     if case.get("export_only"):
         # Negative control for the trainer half: Fair Cast on for the export only; FSDP keeps its stock cast.
@@ -169,6 +189,7 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
 
         unregister_fsdp_module(engine.module)
     recorder = ForwardRecorder(engine.module)
+    fp8_seen = _record_fp8_weights() if case.get("record_fp8_weights") else None
     data = make_batch(opts["batch"], 6, 10, opts["vocab"])
 
     from verl.utils import tensordict_utils as tu
@@ -181,6 +202,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     result = {"rank": torch.distributed.get_rank(), "init_status": init_status}
     log_prob()
     result["forward_v0"] = recorder.take()
+    if fp8_seen is not None:  # faircast.fp8_loss: the weights the quantized linear layers computed with
+        result["forward_fp8_v0"] = dict(fp8_seen)
     result["masters_v0"] = full_masters(engine.module)
     # the full masters after each optimizer step (stateful modes: the reference replays every version)
     result["masters_by_step"] = steps = []
@@ -262,6 +285,8 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
     result["masters"] = full_masters(engine.module)
     log_prob()
     result["forward"] = recorder.take()
+    if fp8_seen is not None:
+        result["forward_fp8"] = dict(fp8_seen)
 
     state = state_of(engine)
     result["version"] = state.caster.version if state is not None else None
@@ -305,6 +330,36 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
     torch.distributed.all_reduce(sent)  # each rank sends the changes of its own shards
     return {"changed": sent.tolist(), "total": total, "metrics": metrics,
             "lr": engine.optimizer.param_groups[0]["lr"]}
+
+
+def export_versions(worker, case: dict, opts: dict, world: int) -> dict:
+    """A full export (``update_weights(mode="naive")``) at version 0 and after each of ``export_versions`` steps of
+    one optimizer step each (``update_actor``): per version the exported tensors, the full fp32 masters, and the
+    ``faircast/*`` metrics ``update_actor`` returned (the audit, reduced over every rank)."""
+    from verl.utils import tensordict_utils as tu
+
+    from tests.verl.shims import cpu_platform
+
+    engine = worker.actor.engine
+    data = make_batch(opts["batch"], 6, 10, opts["vocab"])
+    mb = opts["batch"] * world  # one mini-batch: one optimizer step, one weight version per update_actor
+    exported, masters, metrics = [], [], []
+    for version in range(case["export_versions"] + 1):
+        if version:
+            td = data.clone()
+            tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                                 global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                                 dataloader_kwargs={"shuffle": False}, compute_loss=True)
+            out = worker.update_actor(td)
+            step_metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
+            metrics.append({k: float(v[-1] if isinstance(v, list) else v) for k, v in step_metrics.items()
+                            if k.startswith("faircast/")})
+        cpu_platform.RECEIVED.clear()
+        asyncio.run(worker.update_weights(mode="naive"))
+        exported.append({k: v.clone() for part in cpu_platform.RECEIVED for k, v in part.items()})
+        masters.append(full_masters(engine.module))
+    return {"rank": torch.distributed.get_rank(), "exported_by_version": exported, "masters_by_version": masters,
+            "metrics": metrics}
 
 
 def run(opts: dict) -> None:

@@ -3,7 +3,7 @@ the contract or refused at activation, each with a test that failed before the f
 
 1. decoupled PPO (fully-async / v1 separate-async: old fp32 masters restored for the old log-probs);
 2. a worker that did not load the plugin (the driver checks every worker's ``init_model`` answer);
-3. ``rollout.quantization``; 4. a skipped optimizer step (non-finite grad norm) keeps the version;
+3. ``rollout.quantization`` (fp8 accepted, others refused); 4. a skipped optimizer step (non-finite grad norm) keeps the version;
 5. restored EMA / error-feedback state moves to the master's device once; 6. merged LoRA is an explicit opt-in;
 7. verl's Fair Cast checkpoint goes through ``export.save_state`` (CPU tensors, shard layout, mergeable).
 """
@@ -146,11 +146,38 @@ def test_driver_check_needs_verls_one_to_all_dispatch():
 # -- 3. rollout.quantization, 6. merged LoRA ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "torchao"])
-def test_rollout_quantization_is_refused(quantization):
+@pytest.mark.parametrize("quantization", ["torchao", "ascend"])
+def test_rollout_quantization_other_than_fp8_is_refused(quantization):
     cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true",
                                                           f"actor_rollout_ref.rollout.quantization={quantization}"])
-    with pytest.raises(ValueError, match=f"rollout.quantization='{quantization}'"):
+    with pytest.raises(ValueError, match=f"rollout.quantization='{quantization}'.*Supported with Fair Cast: fp8"):
+        check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+
+
+def test_rollout_quantization_fp8_is_accepted_without_a_config_file():
+    """fp8: verl's quantizer runs after Fair Cast's bf16 stage (tests/verl/test_fp8_rollout.py); a
+    quantization_config_file (which can change the block size) is refused."""
+    base = cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true",
+                                                 "actor_rollout_ref.rollout.quantization=fp8"]
+    cfg = compose(base)
+    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+    cfg = compose(base + ["actor_rollout_ref.rollout.quantization_config_file=/x/quant.json"])
+    with pytest.raises(ValueError, match="quantization_config_file"):
+        check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+
+
+def test_fp8_loss_needs_rollout_quantization_fp8():
+    """faircast.fp8_loss (the actor's forward on the fp8 copy, tests/verl/test_fp8_loss.py) is accepted with
+    rollout.quantization=fp8 and refused without it (the engine would serve bf16)."""
+    opt = "+actor_rollout_ref.faircast={enable:true,fp8_loss:true}"
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt, "actor_rollout_ref.rollout.quantization=fp8"])
+    check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt])
+    with pytest.raises(ValueError, match="fp8_loss: true .* needs actor_rollout_ref.rollout.quantization=fp8"):
+        check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [opt, "actor_rollout_ref.rollout.quantization=fp8",
+                                                          "actor_rollout_ref.model.lora_rank=4"])
+    with pytest.raises(ValueError, match="fp8_loss with LoRA is not supported"):
         check_supported(read_faircast(cfg.actor_rollout_ref), cfg.actor_rollout_ref)
 
 

@@ -25,7 +25,8 @@ After each step every rank checks that it cast exactly the weight elements its c
 DeepSpeed skips on overflow casts nothing and leaves it unchanged. A universal-checkpoint load re-derives
 the bf16 weights with ``update_lp_params`` and a ZeRO-3 load with the step's own copy-back: the patch runs
 both under the interceptor at the restored version. Options whose weights bypass this copy-back (ZenFlow,
-NVMe parameter offload, weight quantization, AutoTP, MoE expert parallelism) are refused at activation.
+NVMe parameter offload, weight quantization (MoQ, ZeRO++ quantized weights), AutoTP, MoE expert
+parallelism) are refused at activation.
 
 With ``ema_decay > 0`` the optimizer still updates the fp32 master; the copy-back then writes
 ``fair_cast(EMA of the master)``. The EMA is elementwise, so each rank keeps it for exactly the master
@@ -464,6 +465,7 @@ def _refused_options(engine):
         yield ("ZeRO-3 parameter offload to NVMe (zero_optimization.offload_param.device=nvme): sub-groups swapped out "
                "to NVMe are written from the masters by the swapper, round-to-nearest, outside Fair Cast. Use "
                "offload_param.device=cpu (or none)")
+    yield from zeropp_refusals(zero)
     # DeepSpeed 0.19.8 removed compression training (MoQ) together with its config section and engine.quantizer.
     compression = getattr(engine._config, "compression_config", None) or {}
     weight_quantization = compression.get("weight_quantization", {}).get("shared_parameters", {})
@@ -489,6 +491,27 @@ def _refused_options(engine):
         yield (f"DeepSpeed-MoE expert parallelism (ep_size={ep}, MoE(ep_size=...) or expert_parallel.autoep_size): "
                f"experts on different ranks share local parameter names (deepspeed_experts.0 is another expert on each "
                f"rank), so their casts would share noise keys, and a rollout engine would not get them all. Use ep_size=1")
+
+
+#: ZeRO++ options under which the forward does not read the copy Fair Cast writes and serves (DeepSpeed 0.19:
+#: ``partitioned_param_coordinator.py`` gathers through an int8 quantizer, ``partition_parameters.py`` stores frozen
+#: weights as int8), while ``GatheredParameters`` still hands the rollout engine the unquantized bf16 copy.
+#: Not refused: ``zero_hpz_partition_size`` > 1 (its secondary partition is a bf16 copy of the gathered served copy,
+#: dropped after every step) and ``zero_quantized_gradients`` (it quantizes gradients, not the weights or the
+#: copy-back).
+ZEROPP_WEIGHT_QUANTIZATION = {
+    "zero_quantized_weights": "ZeRO-3 gathers the weights for every forward through an int8 quantizer",
+    "zero_quantized_nontrainable_weights": "ZeRO-3 stores the frozen weights as int8 and gathers them dequantized",
+}
+
+
+def zeropp_refusals(zero) -> list:
+    """Refusals of ZeRO++ weight quantization in ``zero`` (the engine's zero config, or the ``zero_optimization``
+    section of a DeepSpeed JSON, as a dict)."""
+    get = zero.get if isinstance(zero, dict) else lambda name, default=None: getattr(zero, name, default)
+    return [f"ZeRO++ {name}=true (zero_optimization.{name}): {why}, so the loss would run on dequant(int8(served "
+            f"copy)) while the rollout engine gets the bf16 served copy. Set zero_optimization.{name} to false"
+            for name, why in ZEROPP_WEIGHT_QUANTIZATION.items() if get(name, False)]
 
 
 def _is_tensor_parallel_layer(module) -> bool:

@@ -42,6 +42,7 @@ class FairCastCallback(TrainerCallback):
         self.caster = FairCaster(config)
         self.backend: Backend = backend_for(trainer, self.caster)
         self.resume_dir: Optional[str] = None  # set by the patched Trainer._load_from_checkpoint
+        self._served: Optional["torch.cuda.Event"] = None  # recorded where the newest served copy was written
 
     @property
     def shadow(self) -> bool:
@@ -56,6 +57,7 @@ class FairCastCallback(TrainerCallback):
     def prepare(self) -> None:
         """At construction: the backend's checks (fp32 masters); one process or DDP serves version 0 from now on."""
         self.backend.prepare()
+        self._mark_served()
 
     def check_ready(self, what: str) -> None:
         """Refuse ``what`` (an evaluation, an engine sync) before Fair Cast is attached to the engine (DeepSpeed, FSDP
@@ -81,12 +83,14 @@ class FairCastCallback(TrainerCallback):
             )
         self.backend.begin(state, self.resume_dir)
         self.resume_dir = None
+        self._mark_served()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.backend.before_step()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.backend.after_step()
+        self._mark_served()
 
     def on_save(self, args, state, control, **kwargs):
         self.backend.after_checkpoint(args, state)
@@ -115,7 +119,38 @@ class FairCastCallback(TrainerCallback):
     def export(self, stream):
         """The ``(name, tensor)`` stream a rollout engine receives, as the served copy."""
         self.check_ready("A weight sync to the rollout engine")
+        self._wait_for_served()
         yield from self.backend.export(stream) if self.backend.serves_export else stream
+
+    # -- stream order between the served copy and the export (CUDA) -------------------------------------------
+    def _cuda_device(self) -> Optional[torch.device]:
+        """The trainer's CUDA device, when CUDA is in use (None on CPU: no stream to order)."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        accelerator = getattr(self.trainer, "accelerator", None)
+        device = torch.device(getattr(accelerator, "device", None) or self.trainer.args.device)
+        return device if device.type == "cuda" else None
+
+    def _mark_served(self) -> None:
+        """After the training thread wrote a served copy (or the engine's step did): record an event on its stream."""
+        device = self._cuda_device()
+        if device is not None:
+            self._served = torch.cuda.Event()
+            self._served.record(torch.cuda.current_stream(device))
+
+    def _wait_for_served(self) -> None:
+        """Order the export after the newest served copy. vLLM's server-mode producer pulls the export inside its own
+        side stream, and AsyncGRPO's weight sender pulls it in another thread (whose current stream is the device's
+        default one): neither waits for the stream the training thread wrote the served copy on, so without this the
+        previous version could be sent. Nothing on CPU."""
+        device = self._cuda_device()
+        if device is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        if self._served is not None:
+            stream.wait_event(self._served)
+        else:  # nothing served under this callback yet: what TRL wrote went through the default stream
+            stream.wait_stream(torch.cuda.default_stream(device))
 
     def metrics(self) -> Dict[str, float]:
         """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``)."""

@@ -8,6 +8,8 @@ either.
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -123,6 +125,25 @@ def _check_deepspeed_args(trainer_name: str, args: Any) -> None:
             f"Fair Cast with DeepSpeed in {trainer_name} needs bf16=True (DeepSpeed bf16: fp32 masters in the optimizer, "
             f"bf16 weights in the module); fp16 and fp32 DeepSpeed runs are refused."
         )
+    from ..deepspeed.patch import zeropp_refusals  # torch only; DeepSpeed itself is not imported
+
+    for refusal in zeropp_refusals(_deepspeed_json(args).get("zero_optimization") or {}):
+        raise FairCastUnsupportedError(f"Fair Cast with DeepSpeed in {trainer_name} is refused: {refusal}.")
+
+
+def _deepspeed_json(args: Any) -> dict:
+    """The DeepSpeed config the user passed (``args.deepspeed``: a dict or a JSON file, as transformers parsed it);
+    an empty dict when it cannot be read here (the built engine is checked again when the patch attaches)."""
+    parsed = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(parsed, dict):
+        return parsed
+    given = getattr(args, "deepspeed", None)
+    if isinstance(given, dict):
+        return given
+    if isinstance(given, str) and os.path.isfile(given):
+        with open(given) as f:
+            return json.load(f)
+    return {}
 
 
 def _check_fsdp(trainer_name: str, args: Any, fsdp_version: int, param_dtype: Any) -> None:

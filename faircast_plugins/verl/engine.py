@@ -112,6 +112,9 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
             continue
         if tensor.dtype != torch.float32:
             raise TypeError(f"Fair Cast export: {name} arrives as {tensor.dtype}, expected the fp32 master")
+        if not seen:  # before the first host read of this export
+            shards = registered_shards(state.module) if state.stateful else {}
+            wait_for_offload_copies([tensor] + [master for _, master in shards.values()])
         seen.add(canonical)
         if state.stateful:
             shards = registered_shards(state.module) if shards is None else shards
@@ -126,6 +129,20 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
             f"Fair Cast export: {len(missing)} trained parameter(s) were not in verl's export "
             f"(e.g. {sorted(missing)[:3]}); the rollout would serve a copy Fair Cast did not make"
         )
+
+
+def wait_for_offload_copies(tensors) -> None:
+    """Let the in-flight offload copies land before Fair Cast reads host tensors among ``tensors``.
+
+    verl's ``param_offload`` moves the parameters to pinned host memory with ``non_blocking`` copies on the current
+    CUDA stream (``fsdp_utils.offload_fsdp_model_to_cpu`` / ``offload_fsdp2_model_to_cpu``, whose comment says a host
+    reader must synchronize first); the CPU cast would otherwise read stale or half-copied masters. One wait on that
+    stream per export; nothing without CUDA, or when every tensor is on the GPU (then the casts are stream-ordered).
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    if any(t.device.type == "cpu" for t in tensors):
+        torch.cuda.current_stream().synchronize()
 
 
 def _cast_unaudited(caster: FairCaster, name: str, master: torch.Tensor) -> torch.Tensor:
@@ -170,6 +187,7 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
     from verl.workers.engine.spec import derive_dtensor_placement, translate_flat_indices
 
     shards = registered_shards(state.module)
+    wait_for_offload_copies([master for _, master in shards.values()])
     for name, local, spec in weights:
         canonical = canonical_of(state, name)
         if canonical is None:

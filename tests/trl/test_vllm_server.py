@@ -257,6 +257,16 @@ def run_async_grpo(server, tiny_model_dir, prompts_dataset, tmp_path, monkeypatc
 DTYPE_MISMATCH = "The vLLM server serves in bfloat16 but the weights sent to it are"  # WeightTransferClient warning
 
 
+def check_async_step_logs(logs) -> None:
+    """Both optimizer steps were logged with a policy gradient, and the rollouts had completions. AsyncGRPO adds the
+    rollout worker's metrics to a log row only if they reached its queue by then (``AsyncGRPOTrainer.log``,
+    ``metrics_queue.get_nowait``): under load a step's row can come before any, so rows without them are skipped,
+    but at least one row must carry them."""
+    assert len(logs) == 2 and all(h["grad_norm"] > 0 for h in logs), logs
+    with_completions = [h for h in logs if "completions/mean_length" in h]
+    assert with_completions and all(h["completions/mean_length"] > 0 for h in with_completions), logs
+
+
 def test_async_grpo_server_serves_fair_cast_of_master(vllm_server, tiny_model_dir, prompts_dataset, tmp_path,
                                                       monkeypatch, caplog):
     caplog.set_level("WARNING", logger="trl.experimental.async_grpo.weight_transfer")
@@ -269,7 +279,7 @@ def test_async_grpo_server_serves_fair_cast_of_master(vllm_server, tiny_model_di
     announced = watcher.probes[-1]["announced"][-3:]
     assert all(set(a) == {"bfloat16"} for a in announced), announced
     # rollouts came from the server and carried a policy gradient (the masters moved)
-    assert len(logs) == 2 and all(h["completions/mean_length"] > 0 and h["grad_norm"] > 0 for h in logs), logs
+    check_async_step_logs(logs)
 
     caplog.clear()
     watcher, logs = run_async_grpo(vllm_server, tiny_model_dir, prompts_dataset, tmp_path / "off", monkeypatch)
@@ -278,4 +288,14 @@ def test_async_grpo_server_serves_fair_cast_of_master(vllm_server, tiny_model_di
     assert watcher.mismatches == [], watcher.mismatches[:5]
     announced = watcher.probes[-1]["announced"][-3:]
     assert all(set(a) == {"float32"} for a in announced), announced
-    assert len(logs) == 2 and all(h["completions/mean_length"] > 0 and h["grad_norm"] > 0 for h in logs), logs
+    check_async_step_logs(logs)
+
+
+def test_async_step_log_check_skips_rows_logged_before_any_completion():
+    """The check above: a row without rollout metrics is skipped, but one row must have them, and every check stays."""
+    early = {"loss": 0.1, "grad_norm": 0.5}
+    late = {"loss": 0.2, "grad_norm": 0.4, "completions/mean_length": 6.0}
+    check_async_step_logs([early, late])
+    for bad in ([early, early], [late], [late, {**late, "grad_norm": 0.0}], [early, {**late, "completions/mean_length": 0}]):
+        with pytest.raises(AssertionError):
+            check_async_step_logs(bad)

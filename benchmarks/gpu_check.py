@@ -15,23 +15,30 @@ Sections, in this order (the JSON file is rewritten after every section, so a ru
              Against the same-device reference: Philox known answers, random normals at several scales and
              offsets, tile sizes and warp counts, shard invariance, a multi-tensor launch, error feedback over
              steps, a 64M-element tensor. Differences where both sides are NaN are listed apart.
-  2. auto    ``backend="auto"`` (every adapter's default) picks Triton on CUDA, and fair_cast, fair_cast_many and
-             FairCaster.cast give the CPU reference's bits through it; in fresh processes, auto with
-             TRITON_INTERPRET=1 exported (review finding 11) and, on CUDA, auto with triton failing to import
-             (finding 7: it must warn or refuse).
+  2. auto    ``backend="auto"`` (every adapter's default) picks Triton on CUDA with no warning, and fair_cast,
+             fair_cast_many and FairCaster.cast give the CPU reference's bits through it; in fresh processes, on
+             CUDA, auto with TRITON_INTERPRET=1 exported (review finding 11) and auto with triton failing to import
+             (finding 7) must take the torch path (the reference bits) with a warning naming the cause.
   3. stream  casts issued on a non-default stream run there, behind a write on that stream (negative control: a
              cast on the default stream reads the input too early); cuda:1 when there is a second device.
-  4. huge    above 2**31 elements: the aligned branch in every mode (error feedback included, residuals
+  4. paths   the fixes of docs/gpu-paths.md: a DTensor on a one-rank NCCL group refused by fair_cast,
+             FairCaster.cast and cast_many with a TypeError before any launch, the process casting after it
+             (finding 3, in a fresh process); an audited FairCaster over 8 versions with no host sync at the cast
+             site (CUDA's sync debug mode 'error'; control: it catches float(x.sum())), its metrics float-equal to
+             the same run on CPU tensors, one parameter observed on the GPU and on the host (findings 8 and 2),
+             Fair Cast on and flag off; FairCaster.cast_many over two devices (cuda:0 + cuda:1, else cuda:0 + the
+             host): one launch per device, the per-tensor bits, flag off round-to-nearest (finding 10).
+  5. huge    above 2**31 elements: the aligned branch in every mode (error feedback included, residuals
              compared) and error feedback on the unaligned branch; the branch taken is checked.
-  5. export  a Qwen3-1.7B-shaped export (310 tensors, ~1.72e9 elements) in ONE batched call, against 310
+  6. export  a Qwen3-1.7B-shaped export (310 tensors, ~1.72e9 elements) in ONE batched call, against 310
              per-tensor calls (host wall clock: the adapters' path) and the plain cast; target <= 3 ms and >= 85%
              of the out.copy_(x) bandwidth.
-  6. regs    registers and spills of every variant (mode x ROWS x num_warps) as compiled and launched on this
+  7. regs    registers and spills of every variant (mode x ROWS x num_warps) as compiled and launched on this
              device (read from triton's compiled kernel; under --cpu-smoke compiled for sm_90 in a child process).
-  7. speed   GB/s for 2**24 .. 2**30 elements (6 B/element for stochastic and nearest, 14 for error feedback)
+  8. speed   GB/s for 2**24 .. 2**30 elements (6 B/element for stochastic and nearest, 14 for error feedback)
              against ``out.copy_(x)`` (the plain bf16 cast: the same traffic as the cast), ``x.to(torch.bfloat16)``
              and an fp32 device copy.
-  8. tiles   a ROWS x num_warps sweep for stochastic and error feedback at 2**28 elements (every variant must
+  9. tiles   a ROWS x num_warps sweep for stochastic and error feedback at 2**28 elements (every variant must
              give the same bits), with each variant's registers and spills beside its speed.
 
 The record (checks, skips with their reasons, errors, the JSON rewrites) is benchmarks/gpu_report.py's. It prints a
@@ -52,7 +59,7 @@ import sys
 import time
 
 # In this order: correctness first, so a run cut short by its time limit still settles it.
-SECTIONS = ("bits", "auto", "stream", "huge", "export", "regs", "speed", "tiles")
+SECTIONS = ("bits", "auto", "stream", "paths", "huge", "export", "regs", "speed", "tiles")
 
 _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
@@ -412,8 +419,51 @@ def auto_child(*, interpret: bool, triton: bool):
 
 def auto_section() -> None:
     """backend="auto" (the default of fair_cast, FairCaster and so of every adapter) on this device: the kernel it
-    picks and its bits through fair_cast, fair_cast_many and FairCaster.cast; then in fresh processes the two
-    environments of review findings 7 and 11."""
+    picks and its bits through fair_cast, fair_cast_many and FairCaster.cast, with no warning logged (the negative
+    control of findings 7 and 11); then in fresh processes the two environments of review findings 7 and 11, where
+    auto on CUDA must take the torch path with a warning."""
+    import logging
+
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("faircast_plugins").addHandler(handler)
+    try:
+        auto_casts()
+    finally:
+        logging.getLogger("faircast_plugins").removeHandler(handler)
+    if DEV.type == "cuda":
+        check("negative control (findings 7, 11): with triton importable and not interpreted, auto logs no warning",
+              not logged, "; ".join(m[:160] for m in logged))
+    # Review finding 11: TRITON_INTERPRET=1 exported on a GPU host must not make auto pick the interpreter's Triton:
+    # CUDA tensors take the torch path (the reference bits), with one warning naming TRITON_INTERPRET.
+    rec, error = auto_child(interpret=True, triton=True)
+    if check("auto with TRITON_INTERPRET=1 exported (finding 11): the cast runs", rec is not None, error):
+        check_vs_cpu(f"auto with TRITON_INTERPRET=1 exported ({rec['backend']})", rec["q"],
+                     cpu_ref(rec["x"], key=12345, offset=5)[0])
+        if DEV.type == "cuda":
+            check("auto on CUDA with TRITON_INTERPRET=1 (finding 11): the torch path", rec["backend"] == "torch",
+                  f"picked {rec['backend']!r}")
+            check("auto on CUDA with TRITON_INTERPRET=1 (finding 11): a warning names TRITON_INTERPRET",
+                  any("TRITON_INTERPRET" in w for w in rec["warnings"]), "; ".join(rec["warnings"])[:300] or "none")
+        else:
+            REPORT.skip("auto on CUDA with TRITON_INTERPRET=1 takes the torch path with a warning (finding 11)",
+                        f"no CUDA device (CPU tensors under the interpreter: auto picked {rec['backend']!r})")
+    # Review finding 7: on CUDA, auto without an importable triton falls back to the torch path with a warning that
+    # names triton.
+    if DEV.type != "cuda":
+        REPORT.skip("auto on CUDA without triton (finding 7)", "CUDA tensors only (the CPU branch is tested in tests/core)")
+        return
+    rec, error = auto_child(interpret=False, triton=False)
+    if not check("auto on CUDA without triton (finding 7): the cast runs", rec is not None, error):
+        return
+    check_vs_cpu(f"auto on CUDA without triton ({rec['backend']})", rec["q"], cpu_ref(rec["x"], key=12345, offset=5)[0])
+    check("auto on CUDA without triton (finding 7): the torch path", rec["backend"] == "torch", f"picked {rec['backend']!r}")
+    check("auto on CUDA without triton (finding 7): a warning names faircast-plugins[triton]",
+          any("faircast-plugins[triton]" in w for w in rec["warnings"]), "; ".join(rec["warnings"])[:300] or "none")
+
+
+def auto_casts() -> None:
     got = resolve_backend("auto", DEV)
     RESULTS["auto_backend"] = got
     if DEV.type == "cuda":
@@ -432,24 +482,6 @@ def auto_section() -> None:
     name = "model.layers.3.mlp.up_proj.weight"
     check_vs_cpu("FairCaster.cast (config backend 'auto')", caster.cast(name, x),
                  cpu_ref(x, key=derive_key(77, caster.version, name))[0])
-
-    # Review finding 11: TRITON_INTERPRET=1 exported on a GPU host must not make auto pick the interpreter's Triton.
-    rec, error = auto_child(interpret=True, triton=True)
-    if check("auto with TRITON_INTERPRET=1 exported (finding 11): the cast runs", rec is not None, error):
-        check_vs_cpu(f"auto with TRITON_INTERPRET=1 exported ({rec['backend']})", rec["q"],
-                     cpu_ref(rec["x"], key=12345, offset=5)[0])
-    # Review finding 7: on CUDA, auto without an importable triton falls back to the torch path: it must say so
-    # (a warning), or refuse with an error that names triton.
-    if DEV.type != "cuda":
-        REPORT.skip("auto on CUDA without triton (finding 7)", "CUDA tensors only (the CPU branch is tested in tests/core)")
-        return
-    rec, error = auto_child(interpret=False, triton=False)
-    if rec is None:
-        check("auto on CUDA without triton (finding 7): refuses naming triton", "triton" in error.lower(), error)
-        return
-    check_vs_cpu(f"auto on CUDA without triton ({rec['backend']})", rec["q"], cpu_ref(rec["x"], key=12345, offset=5)[0])
-    check("auto on CUDA without triton (finding 7): a warning says so", bool(rec["warnings"]),
-          rec["warnings"][0][:200] if rec["warnings"] else "nothing was logged")
 
 
 def stream_section() -> None:
@@ -502,6 +534,258 @@ def stream_section() -> None:
     q1 = fair_cast(x1, key=K, offset=7)
     check(f"fair_cast on {other}: output on {other}", q1.device == other, str(q1.device))
     check_vs_cpu(f"fair_cast on {other}", q1, want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# paths: the fixes of review findings 3, 8 (and 2's audit part) and 10 (docs/gpu-paths.md) on this device
+# ----------------------------------------------------------------------------------------------------------------
+
+# A fresh process (a CUDA fault, NCCL and the process group stay in it): a DTensor on a one-rank group (NCCL on
+# CUDA, gloo on the CPU) given to fair_cast, FairCaster.cast and cast_many must be refused with a TypeError before any
+# launch; then its local shard is cast in the same process (it survived: the device has no sticky fault).
+DTENSOR_CHILD = """
+import socket, sys, torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import faircast_plugins.cast as cast_mod
+from faircast_plugins.cast import fair_cast
+from faircast_plugins.caster import FairCaster
+from faircast_plugins.config import FairCastConfig
+dev = torch.device(sys.argv[1])
+if dev.type == "cuda":
+    dev = torch.device("cuda", dev.index or 0)  # set_device and the mesh need an index
+    torch.cuda.set_device(dev)
+launches = []
+real_run = cast_mod._run
+def counted_run(items, mode, backend):
+    launches.append(backend)
+    return real_run(items, mode, backend)
+cast_mod._run = counted_run  # every fair_cast / fair_cast_many launch goes through it
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+port = sock.getsockname()[1]
+sock.close()
+backend = "nccl" if dev.type == "cuda" else "gloo"
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+mesh = init_device_mesh(dev.type, (1,))
+x = torch.linspace(-1, 1, 4099, device=dev) * 0.02
+d = distribute_tensor(x, mesh, [Shard(0)])
+caster = FairCaster(FairCastConfig(enabled=True, seed=77))
+name = "model.layers.0.mlp.up_proj.weight"
+refusals = {}
+for what, call in (("fair_cast", lambda: fair_cast(d, key=12345, offset=5)),
+                   ("FairCaster.cast", lambda: caster.cast(name, d)),
+                   ("FairCaster.cast_many", lambda: caster.cast_many({name: d}))):
+    try:
+        call()
+        refusals[what] = None
+    except Exception as exc:
+        refusals[what] = [type(exc).__name__, str(exc)[:400]]
+if dev.type == "cuda":
+    torch.cuda.synchronize()  # a kernel launched on the null pointer would fault: a sticky error raised here
+before = list(launches)
+local = d.to_local()
+q, qc = fair_cast(local, key=12345, offset=5), caster.cast(name, local)
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+torch.save({"backend": backend, "data_ptr": d.data_ptr(), "refusals": refusals, "launches_before": before,
+            "launches_after": launches[len(before):], "x": x.cpu(), "q": q.cpu(), "qc": qc.cpu(),
+            "key": caster.key(name)}, sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+def paths_section() -> None:
+    """The fixes of review findings 3, 8 (with the audit part of 2) and 10 on this device (docs/gpu-paths.md).
+
+    On CUDA the CPU casts of these checks (an offloaded shard, the CPU group of a mixed cast_many) use the torch
+    reference path: the same bits as the numba kernel (tests/core), without numba's ~10-20 s compile on a fresh
+    device."""
+    cuda = DEV.type == "cuda"
+    import faircast_plugins.cast as cast_mod
+
+    auto_cpu = cast_mod._auto_cpu_backend
+    if cuda:
+        cast_mod._auto_cpu_backend = lambda: "torch"
+    try:
+        dtensor_checks()
+        audit_checks()
+        cast_many_device_checks()
+    finally:
+        cast_mod._auto_cpu_backend = auto_cpu
+
+
+def dtensor_checks() -> None:
+    """Finding 3: a DTensor is refused with a TypeError before any launch; the process survives and casts after."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = run_child(DTENSOR_CHILD, str(DEV), f"{tmp}/out.pt", env={})
+        error = ((proc.stderr or proc.stdout).strip().splitlines() or ["(no output)"])[-1][-300:]
+        if not check("DTensor (finding 3): the process runs to its end", proc.returncode == 0, error):
+            return
+        rec = torch.load(f"{tmp}/out.pt")
+    group = f"a one-rank {rec['backend']} group"
+    for what, refusal in rec["refusals"].items():
+        check(f"DTensor on {group} (finding 3): {what} refuses with a TypeError naming to_local",
+              refusal is not None and refusal[0] == "TypeError" and "to_local" in refusal[1],
+              "it cast (no error)" if refusal is None else ": ".join(refusal)[:300])
+    check("DTensor (finding 3): nothing was launched before the refusals", not rec["launches_before"],
+          f"launches: {rec['launches_before']} (DTensor data_ptr() = {rec['data_ptr']})")
+    check("DTensor (finding 3): after the refusals the process casts its local shard (fair_cast, FairCaster.cast)",
+          len(rec["launches_after"]) == 2, f"launches: {rec['launches_after']}")
+    check_vs_cpu("DTensor's local shard after the refusals, fair_cast", rec["q"], cpu_ref(rec["x"], key=12345, offset=5)[0])
+    check_vs_cpu("DTensor's local shard after the refusals, FairCaster.cast", rec["qc"], cpu_ref(rec["x"], key=rec["key"])[0])
+
+
+AUDIT_VERSIONS = 8
+AUDIT_MID = 5  # metrics read after this many versions: 15 observations queued, so the cast site settled some
+
+
+def audited_run(enabled: bool, device, *, sync_mode=None):
+    """An audited FairCaster over AUDIT_VERSIONS versions of three parameters (one sampled, one whole, one
+    alternating between ``device`` and the host: an offloaded shard). The masters (the same values whatever the
+    device) are placed before the casts; ``sync_mode``: torch.cuda.set_sync_debug_mode around every version's casts.
+    Returns (metrics after AUDIT_MID versions, metrics at the end, the first sync error or None, the caster)."""
+    gen = torch.Generator().manual_seed(8)
+    sizes = {"model.layers.0.mlp.up_proj.weight": 10_007, "model.norm.weight": 1000,
+             "model.layers.1.self_attn.o_proj.weight": 5000}
+    x = {n: torch.randn(k, generator=gen) * 0.02 for n, k in sizes.items()}
+    drift = {n: torch.randn(k, generator=gen).sign() * 2e-5 for n, k in sizes.items()}  # under half a bf16 step
+    versions = []
+    for v in range(AUDIT_VERSIONS):
+        for n in x:  # a steady drift and some noise: round-to-nearest lags behind, stochastic rounding follows
+            x[n] = x[n] + drift[n] + torch.randn(sizes[n], generator=gen) * 1e-5
+        versions.append({n: t.to(device if i < 2 or v % 2 == 0 else "cpu") for i, (n, t) in enumerate(x.items())})
+    caster = FairCaster(FairCastConfig(enabled=enabled, seed=77, audit=True, audit_sample=4096))
+    mid, error = None, None
+    for v, masters in enumerate(versions):
+        sync()
+        if sync_mode:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            for n, t in masters.items():
+                caster.cast(n, t)
+        except RuntimeError as exc:
+            error = error or f"version {v}: {exc}"[:300]
+        finally:
+            if sync_mode:
+                torch.cuda.set_sync_debug_mode("default")
+        caster.advance()
+        if v == AUDIT_MID - 1:
+            mid = caster.metrics()
+    return mid, caster.metrics(), error, caster
+
+
+def audit_metrics_differences(a: dict, b: dict) -> str:
+    """'' when the two metric dicts are float-equal; else the keys that differ and the largest relative difference."""
+    if a == b:
+        return ""
+    keys = sorted(set(a) | set(b))
+    rel = [abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-300) for k in keys if k in a and k in b and a[k] != b[k]]
+    return (f"keys {[k for k in keys if a.get(k) != b.get(k)]} differ"
+            + (f", largest relative difference {max(rel):.3g}" if rel else ""))
+
+
+def audit_checks() -> None:
+    """Finding 8: the audit's observe makes no host sync at the cast site (CUDA's sync debug mode set to 'error'
+    around every cast), and its metrics are float-equal to the same run on CPU tensors; finding 2 (audit part): one
+    parameter observed on the device and then on the host (an offloaded shard) without error, its state on the CPU."""
+    cuda = DEV.type == "cuda"
+    sync_mode = "error" if cuda else None
+    runs = {}
+    for enabled in (True, False):  # Fair Cast on; the flag off (audit only: the round-to-nearest baseline)
+        label = "Fair Cast on" if enabled else "flag off (nearest)"
+        dev_mid, dev_end, error, caster = audited_run(enabled, DEV, sync_mode=sync_mode)
+        cpu_mid, cpu_end, _, _ = audited_run(enabled, torch.device("cpu"))
+        runs[enabled] = dev_end
+        where = "CUDA" if cuda else "CPU (no CUDA device: the structure only)"
+        if cuda:
+            check(f"audited FairCaster.cast on CUDA, {AUDIT_VERSIONS} versions (finding 8, {label}): no host sync "
+                  f"(sync debug mode 'error')", error is None, error or "")
+        elif error:
+            check(f"audited FairCaster.cast ({label}) runs", False, error)
+        check(f"audit metrics on {where} == on CPU tensors, float-equal, after version {AUDIT_MID} and at the end ({label})",
+              bool(dev_end) and dev_mid == cpu_mid and dev_end == cpu_end,
+              audit_metrics_differences(dev_mid, cpu_mid) + " " + audit_metrics_differences(dev_end, cpu_end))
+        state = [t for track in caster.audit._tracks.values()
+                 for t in (track.pos, track.served, *track.history) if t is not None]
+        check(f"audit (finding 2, {label}): a parameter observed on {DEV.type} then on the host, all state on the CPU",
+              bool(state) and all(t.device.type == "cpu" for t in state),
+              str(sorted({str(t.device) for t in state})))
+        RESULTS.setdefault("audit_metrics", {})[label] = {"device": dev_end, "cpu": cpu_end}
+    check("negative control: the audit metrics of Fair Cast differ from the flag-off run's", runs[True] != runs[False],
+          f"lag_steps {runs[True].get('faircast/lag_steps')} vs {runs[False].get('faircast/lag_steps')}")
+    if not cuda:
+        REPORT.skip("audit host syncs on CUDA (finding 8)", "no CUDA device (counted with a mocked device in tests/core)")
+        return
+    x = torch.ones(10_007, device=DEV)
+    plain = FairCaster(FairCastConfig(enabled=True, seed=77))  # the cast alone: tells a sync in observe from one in it
+    for what, call in (("FairCaster.cast on CUDA with the audit off: no host sync", lambda: plain.cast("w", x)),
+                       ("negative control: sync debug mode 'error' catches a host sync (float(x.sum()))",
+                        lambda: float(x.sum()))):
+        sync()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            caught = ""
+        except RuntimeError as exc:
+            caught = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        check(what, bool(caught) == what.startswith("negative"), caught[:200])
+
+
+def cast_many_device_checks() -> None:
+    """Finding 10: FairCaster.cast_many over tensors on two devices (cuda:0 and cuda:1, else cuda:0 and the host):
+    one fair_cast_many per device, in order of first appearance, the order of the names kept, and per-tensor bits;
+    negative control: the flag off gives round-to-nearest."""
+    if DEV.type != "cuda":
+        REPORT.skip("FairCaster.cast_many over two devices (finding 10)", "no CUDA device (a mocked second device in tests/core)")
+        return
+    two = torch.cuda.device_count() >= 2
+    devices = (torch.device("cuda", 0), torch.device("cuda", 1) if two else torch.device("cpu"))
+    if not two:
+        REPORT.skip("FairCaster.cast_many over cuda:0 and cuda:1 (finding 10)", "one device here: cuda:0 and the host instead")
+    gen = torch.Generator().manual_seed(10)
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(6)]
+    named = {n: (torch.randn(1000 + 517 * i, generator=gen) * 0.02).to(devices[i % 2]) for i, n in enumerate(names)}
+    import faircast_plugins.caster as caster_mod
+
+    launches = []
+    real = caster_mod.fair_cast_many
+
+    def counted(xs, **kw):
+        launches.append(str(xs[0].device))
+        return real(xs, **kw)
+
+    label = f"{devices[0]} + {devices[1]}"
+    got_sr = None
+    caster_mod.fair_cast_many = counted
+    try:
+        for mode in ("stochastic", "sticky"):
+            caster = FairCaster(FairCastConfig(enabled=True, seed=77, mode=mode))
+            caster.advance()
+            launches.clear()
+            got = caster.cast_many(named)
+            check(f"cast_many on {label} ({mode}, finding 10): one launch per device, in order of first appearance",
+                  launches == [str(d) for d in devices], str(launches))
+            check(f"cast_many on {label} ({mode}): the names in the order given, each copy on its master's device",
+                  list(got) == names and all(got[n].device == named[n].device for n in names))
+            per_tensor = all(same(got[n], caster.cast(n, named[n])) for n in names)
+            check(f"cast_many on {label} ({mode}) == per-tensor FairCaster.cast, bit for bit", per_tensor)
+            report_vs_cpu(f"cast_many on {label} ({mode})",
+                          *differences(torch.cat([got[n].cpu() for n in names]),
+                                       torch.cat([cpu_ref(named[n], key=caster.key(n))[0] for n in names])))
+            got_sr = got if mode == "stochastic" else got_sr
+        off = FairCaster(FairCastConfig(enabled=False, seed=77)).cast_many(named)
+    finally:
+        caster_mod.fair_cast_many = real
+    check_vs_cpu(f"negative control: cast_many on {label} with the flag off is round-to-nearest",
+                 torch.cat([off[n].cpu() for n in names]), torch.cat([cpu_ref(named[n], mode="nearest")[0] for n in names]))
+    check("negative control: the flag-off copies differ from Fair Cast's",
+          not all(same(off[n], got_sr[n]) for n in names))
 
 
 def huge_section() -> None:
@@ -727,7 +1011,7 @@ def main() -> int:
                       "default_rows": tc.DEFAULT_ROWS, "default_warps": tc.DEFAULT_NUM_WARPS}
     say(f"gpu_check: {props}; torch {torch.__version__}; triton {triton.__version__}; "
         f"ROWS={tc.DEFAULT_ROWS} warps={tc.DEFAULT_NUM_WARPS}; results in {ARGS.json}")
-    sections = {"bits": bits_section, "auto": auto_section, "stream": stream_section, "huge": huge_section,
+    sections = {"bits": bits_section, "auto": auto_section, "stream": stream_section, "paths": paths_section, "huge": huge_section,
                 "export": export_section, "regs": regs_section, "speed": speed_section, "tiles": tiles_section}
     for name in SECTIONS:
         REPORT.section(name, sections[name])

@@ -23,11 +23,16 @@ elements). Between two consecutive observed weight versions the tracker reports:
     between two reports they stay bounded while the fp32 updates add up, so read it over tens of steps:
     ``faircast/bias_rel_cumulative`` is the same ratio over everything observed since the tracker started.
 
+The cast site never waits for the device: :meth:`Audit.observe` gathers the samples where the tensors are and
+queues their copy to the host (non-blocking, into pinned memory, on CUDA); the sums are taken on the CPU, where the
+audit keeps all its state (so one parameter may be observed on the GPU and on the host), when they are read.
+
 Totals are plain sums (see :meth:`Audit.totals`): :func:`reduce_metrics` adds them over every rank before
 the ratios, the one metrics reduction every adapter uses (so each reports the same ``faircast/*`` set).
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Deque, Dict, Optional
 
@@ -45,42 +50,125 @@ def sample_positions(numel: int, sample: int, device) -> Optional[torch.Tensor]:
     return torch.linspace(0, numel - 1, sample, device=device).round().to(torch.int64)
 
 
+def _async_copy_ok(device: torch.device) -> bool:
+    """True where a device-to-host copy can be queued without waiting (CUDA, into pinned memory)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _pinned_empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def _to_host(t: torch.Tensor):
+    """A CPU copy of ``t``, and whether it is still in flight: on CUDA a non-blocking copy into pinned memory,
+    ordered on ``t``'s current stream (after the cast that wrote it), so the cast site never waits for the device."""
+    if t.device.type == "cpu":
+        return t.clone(), False
+    if _async_copy_ok(t.device):
+        buf = _pinned_empty(t.shape, t.dtype)
+        buf.copy_(t, non_blocking=True)
+        return buf, True
+    return t.to("cpu"), False  # another accelerator: a blocking copy
+
+
+def _copied_event(device: torch.device):
+    """An event on ``device``'s current stream, after the copies queued there: the report waits for it."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class _Track:
+    """One parameter's (or shard's) samples. Its state is on the CPU whatever the device of the observations, so
+    one parameter may be observed on the GPU and on the host (offloaded shards, FSDP all-gathers)."""
+
     def __init__(self, pos, window: int):
-        self.pos = pos
+        self.pos = pos  # CPU int64 positions, or None (all elements)
+        self.pos_on: Dict[torch.device, torch.Tensor] = {}  # their copy on each observation device (made once)
+        self.pinned_pos: Optional[torch.Tensor] = None  # the pinned host copy those copies read (kept alive)
+        self.observed = -1  # the last version observed (queued); ``version``: the last one measured
         self.version = -1
         self.served: Optional[torch.Tensor] = None
         self.history: Deque[torch.Tensor] = deque(maxlen=window + 1)
 
+    def positions_on(self, like: torch.Tensor) -> torch.Tensor:
+        pos = self.pos_on.get(like.device)
+        if pos is None:
+            pos = self.pos
+            if like.device.type != "cpu":  # one host-to-device copy per track and device
+                source, queued = pos, _async_copy_ok(like.device)
+                if queued:  # from pinned memory, kept alive with the track, so the copy need not wait
+                    if self.pinned_pos is None:
+                        self.pinned_pos = _pinned_empty(pos.shape, pos.dtype).copy_(pos)
+                    source = self.pinned_pos
+                pos = like.new_empty(pos.shape, dtype=torch.int64).copy_(source, non_blocking=queued)
+            self.pos_on[like.device] = pos
+        return pos
+
 
 class Audit:
-    """Collects samples of (master, served) per parameter and weight version."""
+    """Collects samples of (master, served) per parameter and weight version.
+
+    :meth:`observe` only gathers the samples and queues their copy to the host (no host sync at the cast site);
+    the sums are taken on the CPU, in observation order, when they are read (:meth:`totals`) or when many
+    observations are queued."""
+
+    #: settle the queue once it holds this many observations per track (bounds the host memory it holds)
+    QUEUE_VERSIONS = 4
 
     def __init__(self, sample: int = 4096, window: int = 8):
         self.sample = sample
         self.window = window
         self._tracks: Dict[str, _Track] = {}
+        self._queue: Deque[tuple] = deque()
+        self._lock = threading.Lock()  # an export thread may observe while the trainer reads the totals
         self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
         self._cumulative = {"dev_along": 0.0, "abs_update": 0.0}
 
     def observe(self, name: str, version: int, master: torch.Tensor, served: torch.Tensor) -> None:
         """Record the master and the served copy of one parameter (or shard) at ``version``."""
+        with self._lock:
+            self._observe(name, version, master, served)
+
+    def _observe(self, name: str, version: int, master: torch.Tensor, served: torch.Tensor) -> None:
         track = self._tracks.get(name)
         if track is None or (track.pos is None and master.numel() > self.sample):
-            track = self._tracks[name] = _Track(sample_positions(master.numel(), self.sample, master.device), self.window)
-        if version == track.version:
+            track = self._tracks[name] = _Track(sample_positions(master.numel(), self.sample, "cpu"), self.window)
+        if version == track.observed:
             return  # the same version cast again (another cast site): nothing new to measure
         flat_x, flat_q = master.detach().reshape(-1), served.detach().reshape(-1)
         if track.pos is not None:
-            flat_x, flat_q = flat_x[track.pos], flat_q[track.pos]
-        x = flat_x.double()
-        q_bits = flat_q.view(_BITS[flat_q.dtype]).clone()  # bf16 for a served copy; fp32 where fp32 is served
-        q = flat_q.double()
+            flat_x, flat_q = flat_x[track.positions_on(flat_x)], flat_q[track.positions_on(flat_q)]
+        x, x_in_flight = _to_host(flat_x)
+        q_bits, q_in_flight = _to_host(flat_q.view(_BITS[flat_q.dtype]))  # bf16 served; fp32 where fp32 is served
+        in_flight = {t.device: None for t, busy in ((flat_x, x_in_flight), (flat_q, q_in_flight)) if busy}
+        ready = [_copied_event(device) for device in in_flight]  # one event per device covers its copies
+        self._queue.append((track, version, x, q_bits, flat_q.dtype, ready))
+        track.observed = version
+        if len(self._queue) > self.QUEUE_VERSIONS * len(self._tracks):
+            self._settle(wait=False)
+
+    def _settle(self, wait: bool = True) -> None:
+        """Measure the queued observations, in order, on the CPU: all of them, waiting for their copies (``wait``),
+        or those whose copies are done (``wait=False``: at the cast site, which never waits for the device)."""
+        while self._queue:
+            track, version, x, q_bits, served_dtype, ready = self._queue[0]
+            if not wait:
+                if not all(event.query() for event in ready):
+                    return
+            else:
+                for event in ready:
+                    event.synchronize()  # the copies were queued after the cast: usually long done
+            self._queue.popleft()
+            self._measure(track, version, x.double(), q_bits, served_dtype)
+
+    def _measure(self, track: _Track, version: int, x: torch.Tensor, q_bits: torch.Tensor, served_dtype) -> None:
+        q = q_bits.view(served_dtype).double()
         if track.served is not None and version == track.version + 1:
             x_prev = track.history[-1]
             q_prev_bits = track.served
             d = x - x_prev
-            w = q - q_prev_bits.view(flat_q.dtype).double()
+            w = q - q_prev_bits.view(served_dtype).double()
             moved = d != 0
             t = self._totals
             t["n"] += x.numel()
@@ -102,9 +190,11 @@ class Audit:
 
     def totals(self, reset: bool = True) -> Dict[str, float]:
         """Raw sums since the last reset (all-reduce these across ranks, then call :func:`finalize`)."""
-        out = dict(self._totals)
-        if reset:
-            self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
+        with self._lock:
+            self._settle()
+            out = dict(self._totals)
+            if reset:
+                self._totals = dict.fromkeys(TOTAL_KEYS, 0.0)
         return out
 
     def metrics(self, reset: bool = True) -> Dict[str, float]:

@@ -5,7 +5,8 @@ Backends (all bit-identical, all tested against the golden vectors):
 * ``"torch"``: :mod:`faircast_plugins.torch_ref`, any device, the semantic reference;
 * ``"triton"``: :mod:`faircast_plugins.kernels.triton_cast`, CUDA (or CPU under ``TRITON_INTERPRET=1``);
 * ``"cpu"``: :mod:`faircast_plugins.kernels.cpu_cast`, a fused, multithreaded numba loop for CPU tensors;
-* ``"auto"``: Triton on CUDA; on CPU the numba loop (a default dependency), except next to a vLLM that runs its CPU
+* ``"auto"``: Triton on CUDA (the torch reference, with a warning logged once, where triton does not import or runs
+  under ``TRITON_INTERPRET=1``); on CPU the numba loop (a default dependency), except next to a vLLM that runs its CPU
   platform (see :func:`numba_blocked_reason`), where it is the torch reference. The choice for CPU tensors is logged
   once, with the reason.
 """
@@ -49,9 +50,37 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def _is_dtensor(t) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor; never imported here
+    cls = getattr(dtensor, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
+def check_local_tensor(t, what: str = "x") -> None:
+    """Refuse a tensor whose elements the kernels cannot address: a DTensor (its ``data_ptr()`` is 0, so a CUDA
+    launch would fault on a null pointer, kill the rank and hang its NCCL peers) or any other tensor with elements
+    but no storage pointer (meta tensors, wrapper subclasses)."""
+    if t is None:
+        return
+    if _is_dtensor(t):
+        raise TypeError(
+            f"Fair Cast got a DTensor as {what}: it casts plain local tensors. Pass this rank's shard, "
+            f"t.to_local(), with offset=<global index of its first element>, or the whole tensor, t.full_tensor()"
+        )
+    if t.numel() and t.data_ptr() == 0:
+        raise TypeError(
+            f"Fair Cast got a {type(t).__name__} as {what} on {t.device} with {t.numel()} elements and no storage "
+            f"pointer (data_ptr() == 0: a meta tensor or a tensor subclass): pass a plain tensor that holds the "
+            f"values (for a DTensor: .to_local() or .full_tensor())"
+        )
+
+
 def _check_inputs(x, *, key, offset, mode, residual, out, indices) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fair_cast takes a torch.Tensor, got {type(x).__name__}")
+    for t, what in ((x, "x"), (residual, "residual"), (out, "out"), (indices, "indices")):
+        if isinstance(t, torch.Tensor):
+            check_local_tensor(t, what)
     if x.dtype != torch.float32:
         raise TypeError(f"Fair Cast needs fp32 master weights, got a {x.dtype} tensor")
     check_mode(mode)
@@ -234,11 +263,29 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if backend == "cpu" and device.type != "cpu":
             raise ValueError(f"backend='cpu' casts CPU tensors only, got a tensor on {device}")
         return backend
-    if device.type == "cuda" and _importable("triton"):
-        return "triton"
+    if device.type == "cuda":
+        return _auto_cuda_backend()
     if device.type == "cpu":
         return _auto_cpu_backend()
     return "torch"
+
+
+def _auto_cuda_backend() -> str:
+    """The ``auto`` backend for CUDA tensors: Triton, else the torch reference with a warning (logged once)."""
+    if not _importable("triton"):
+        _log_once(logging.WARNING,
+                  f"Fair Cast: CUDA tensors are cast with the torch reference path (same bits, slower than the Triton "
+                  f"kernel, with temporaries per tensor) because triton does not import "
+                  f"({_IMPORT_ERRORS.get('triton', 'unknown error')}); install faircast-plugins[triton] (a triton "
+                  f"matching your torch) or pass backend='torch' to silence this.")
+        return "torch"
+    if _kernel_module("triton").interpreting():
+        _log_once(logging.WARNING,
+                  "Fair Cast: CUDA tensors are cast with the torch reference path (same bits, slower) because "
+                  "TRITON_INTERPRET=1 is set: the Triton interpreter runs on CPU tensors only. Unset TRITON_INTERPRET "
+                  "before triton is imported for the Triton kernel on the GPU.")
+        return "torch"
+    return "triton"
 
 
 _SUBNORMAL = 1e-40

@@ -28,7 +28,7 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple, Union
 import torch
 
 from .audit import Audit
-from .cast import fair_cast, fair_cast_many
+from .cast import check_local_tensor, fair_cast, fair_cast_many
 from .config import FairCastConfig
 from .key import canonical_name, mode_key
 
@@ -44,6 +44,14 @@ def _items(named: Named):
 def _audit_key(name: str, offset: int, x: torch.Tensor) -> str:
     """One audit track per (parameter, shard): a full-tensor cast and a shard cast of one name stay apart."""
     return f"{name}@{offset}+{x.numel()}"
+
+
+def group_by_device(tensors) -> list:
+    """Positions of ``tensors`` grouped by device, groups in order of first appearance, positions in order."""
+    groups: Dict[torch.device, list] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return list(groups.values())
 
 
 def _ema_step(m: torch.Tensor, x: torch.Tensor, decay: float) -> None:
@@ -144,6 +152,7 @@ class FairCaster:
         indices: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The served bf16 copy of ``master`` (a full parameter, or a shard starting at global ``offset``)."""
+        check_local_tensor(master, f"the master of {name}")  # before any state (EMA, residual) is made from it
         cname = canonical_name(name)
         src = self.source(cname, master)
         if self.mode == "error_feedback":
@@ -158,16 +167,26 @@ class FairCaster:
         return q
 
     def cast_many(self, named: Named, *, offsets: Optional[Iterable[int]] = None) -> Dict[str, torch.Tensor]:
-        """Cast many parameters at once (one batched launch when the mode allows). Returns ``{name: bf16}``."""
+        """Cast many parameters at once: one batched launch per device when the mode allows (a model split over
+        devices in one process, ``device_map``, gets one launch per device; the bits are those of per-tensor casts).
+        Returns ``{name: bf16}`` in the order given."""
         pairs = list(_items(named))
         offsets = list(offsets) if offsets is not None else [0] * len(pairs)
         if self.mode == "error_feedback" or not pairs:
             return {n: self.cast(n, x, offset=o) for (n, x), o in zip(pairs, offsets)}
+        for n, x in pairs:
+            check_local_tensor(x, f"the master of {n}")
         names = [canonical_name(n) for n, _ in pairs]
         srcs = [self.source(n, x) for n, (_, x) in zip(names, pairs)]
-        outs = fair_cast_many(
-            srcs, keys=[self.key(n) for n in names], offsets=offsets, mode=self.mode, backend=self.config.backend
-        )
+        keys = [self.key(n) for n in names]
+        outs: list = [None] * len(pairs)
+        for group in group_by_device(srcs):
+            cast = fair_cast_many(
+                [srcs[i] for i in group], keys=[keys[i] for i in group], offsets=[offsets[i] for i in group],
+                mode=self.mode, backend=self.config.backend,
+            )
+            for i, q in zip(group, cast):
+                outs[i] = q
         if self.audit is not None:
             for n, o, (_, x), q in zip(names, offsets, pairs, outs):
                 self.audit.observe(_audit_key(n, o, x), self.version, x, q)

@@ -24,13 +24,14 @@ there) and defers to the group's batch when the fast path calls it. A shard on t
 the device of the buffer it fills and cast there, so the host never runs the cast; error feedback is the exception:
 its residual stays with the master, so it is cast where the master lives, once per version, and the bits copied.
 
-Torch releases (the sources of 2.11.0, 2.12.0/2.12.1, 2.13.0, 2.14.0/2.14.1 were compared): the three call sites,
+Torch releases (the sources of 2.11.0, 2.12.0/2.12.1, 2.13.0, 2.14.0/2.14.1, 2.15.0 were compared; 2.15.0 changes
+none of the three call sites): the three call sites,
 the FSDP2 shard layout (dim-0 chunks, zero-padded to the first chunk's size) and the FSDP1 flat-shard metadata they
 read are the same in all of them, with two differences that matter here: torch 2.11 keeps one optional
 ``FSDPState._fsdp_param_group`` where 2.12+ keeps a list ``_fsdp_param_groups`` (see :func:`_param_groups`), and
-under compiled autograd 2.11's fast path returns the property's inputs for every parameter (cast there; the fast-path
-wrapper then casts the same bits again). 2.14 adds parameters annotated with the optional ``spmd_types`` package
-(stored as DTensors on a multi-dim mesh); that path is not exercised here.
+under compiled autograd 2.11's fast path returns the property's inputs for every parameter (the property then
+leaves them to the fast-path wrapper, which casts the group once). 2.14 adds parameters annotated with the optional
+``spmd_types`` package (stored as DTensors on a multi-dim mesh); that path is not exercised here.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from .patching import FairCastPatchError, PatchSet
 logger = logging.getLogger("faircast_plugins")
 
 #: torch releases whose private FSDP cast sites were read and the verl FSDP worker tests run on (docs/verl.md).
-TORCH_SPECIFIER = ">=2.11,<2.15"
+TORCH_SPECIFIER = ">=2.11,<2.16"
 
 _FSDP2_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.all_gather_inputs"
 _FSDP2_FAST_PATH = "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs"

@@ -464,11 +464,18 @@ def _refused_options(engine):
         yield ("ZeRO-3 parameter offload to NVMe (zero_optimization.offload_param.device=nvme): sub-groups swapped out "
                "to NVMe are written from the masters by the swapper, round-to-nearest, outside Fair Cast. Use "
                "offload_param.device=cpu (or none)")
-    weight_quantization = engine._config.compression_config["weight_quantization"]["shared_parameters"]
-    if getattr(engine, "quantizer", None) is not None or weight_quantization["enabled"]:
+    # DeepSpeed 0.19.8 removed compression training (MoQ) together with its config section and engine.quantizer.
+    compression = getattr(engine._config, "compression_config", None) or {}
+    weight_quantization = compression.get("weight_quantization", {}).get("shared_parameters", {})
+    if getattr(engine, "quantizer", None) is not None or weight_quantization.get("enabled", False):
         yield ("DeepSpeed weight quantization (MoQ, compression_training.weight_quantization): it re-quantizes the bf16 "
                "weights after the copy-back, so the forward and the rollout engine would not get the Fair Cast copy. "
                "Disable compression_training.weight_quantization")
+    quantized_init = getattr(engine._config, "weight_quantization_config", None)
+    if quantized_init is not None and quantized_init.quantized_initialization:
+        yield ("ZeRO-3 quantized weight initialization (weight_quantization.quantized_initialization): the partitions "
+               "hold int8 weights that the forward dequantizes, so neither the forward nor the rollout engine reads the "
+               "Fair Cast copy. Remove weight_quantization.quantized_initialization (it is meant for inference)")
     tp = engine.autotp_size() or 1
     tp_layers = sorted({type(m).__name__ for m in engine.module.modules() if _is_tensor_parallel_layer(m)})
     if tp > 1 or tp_layers:

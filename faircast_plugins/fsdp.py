@@ -17,26 +17,36 @@ Three private torch call sites are wrapped (checked and pinned by version):
 Each wrapper runs the original (so shapes, padding, streams and allocation stay torch's), then overwrites the
 valid elements of each registered parameter with the Fair Cast bits. Padding is never read by the compute.
 
+Cost per all-gather (issue #20, findings 5 and 6; measured in docs/gpu-paths.md): a parameter group is one batched
+cast (one :func:`~faircast_plugins.fair_cast_many`) written straight into the all-gather input buffers, with its keys
+hashed once per weight version. The property path casts its parameter alone at world size 1 (there is no all-gather
+there) and defers to the group's batch when the fast path calls it. A shard on the host (CPU offload) is moved to
+the device of the buffer it fills and cast there, so the host never runs the cast; error feedback is the exception:
+its residual stays with the master, so it is cast where the master lives, once per version, and the bits copied.
+
 Torch releases (the sources of 2.11.0, 2.12.0/2.12.1, 2.13.0, 2.14.0/2.14.1, 2.15.0 were compared; 2.15.0 changes
 none of the three call sites): the three call sites,
 the FSDP2 shard layout (dim-0 chunks, zero-padded to the first chunk's size) and the FSDP1 flat-shard metadata they
 read are the same in all of them, with two differences that matter here: torch 2.11 keeps one optional
 ``FSDPState._fsdp_param_group`` where 2.12+ keeps a list ``_fsdp_param_groups`` (see :func:`_param_groups`), and
-under compiled autograd 2.11's fast path returns the property's inputs for every parameter (cast there; the fast-path
-wrapper then casts the same bits again). 2.14 adds parameters annotated with the optional ``spmd_types`` package
-(stored as DTensors on a multi-dim mesh); that path is not exercised here.
+under compiled autograd 2.11's fast path returns the property's inputs for every parameter (the property then
+leaves them to the fast-path wrapper, which casts the group once). 2.14 adds parameters annotated with the optional
+``spmd_types`` package (stored as DTensors on a multi-dim mesh); that path is not exercised here.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .caster import FairCaster
+from .cast import fair_cast_many
+from .caster import FairCaster, _audit_key
 from .key import canonical_name
 from .patching import FairCastPatchError, PatchSet
 
@@ -52,6 +62,24 @@ _FSDP1_SHARD = "torch.distributed.fsdp._flat_param:FlatParamHandle._use_low_prec
 _ATTR = "_faircast_cast"  # set on FSDPParam (FSDP2) and FlatParamHandle (FSDP1) objects of registered modules
 
 
+class _KeyCache:
+    """The Fair Cast keys of some parameters at one weight version: each name is hashed once per version (and seed
+    and mode), not at every all-gather."""
+
+    def __init__(self):
+        self._tag: Optional[tuple] = None
+        self._keys: Dict[str, int] = {}
+
+    def get(self, caster: FairCaster, name: str) -> int:
+        tag = (caster.version, caster.config.seed, caster.mode)
+        if tag != self._tag:
+            self._tag, self._keys = tag, {}
+        key = self._keys.get(name)
+        if key is None:
+            key = self._keys[name] = caster.key(name)
+        return key
+
+
 @dataclass
 class _ParamCast:
     """How one FSDP2 parameter shard is cast: its caster, canonical name, and the global index of its first element."""
@@ -60,6 +88,7 @@ class _ParamCast:
     name: str
     offset: int
     numel: int
+    keys: _KeyCache = field(default_factory=_KeyCache)
 
 
 @dataclass
@@ -68,20 +97,69 @@ class _HandleCast:
 
     caster: FairCaster
     names: list
+    keys: _KeyCache = field(default_factory=_KeyCache)
+
+
+class _Job(NamedTuple):
+    """One shard to cast: ``out`` (a flat bf16 view into FSDP's buffer) <- ``master`` (flat fp32, global ``offset``)."""
+
+    caster: FairCaster
+    keys: _KeyCache
+    name: str
+    offset: int
+    master: torch.Tensor
+    out: torch.Tensor
 
 
 # -- the patched call sites ------------------------------------------------------------------------------------
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: an offloaded (pinned) host shard is copied without blocking the host, ordered on the
+    current stream before the cast that reads it."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
 @torch.no_grad()
-def _fair_cast_fsdp2(fsdp_param, out: torch.Tensor) -> None:
-    """Overwrite the valid prefix of a bf16 all-gather input with the Fair Cast bits of that shard."""
+def _cast_into(jobs: List[_Job]) -> None:
+    """Write every job's Fair Cast bits into its ``out``: one batched cast per (caster, device), on the device of the
+    outputs. Error feedback casts each shard on its master's device (its residual lives there), once per version."""
+    batches: Dict[tuple, List[_Job]] = {}
+    for job in jobs:
+        batches.setdefault((id(job.caster), job.out.device), []).append(job)
+    for batch in batches.values():
+        caster, device = batch[0].caster, batch[0].out.device
+        if caster.mode == "error_feedback":
+            for job in batch:
+                if job.master.device == device:
+                    caster.cast(job.name, job.master, offset=job.offset, out=job.out)
+                else:
+                    job.out.copy_(caster.cast(job.name, job.master, offset=job.offset), non_blocking=True)
+            continue
+        sources = [caster.source(job.name, job.master) for job in batch]
+        staged = [_to_device(src, device) for src in sources]
+        fair_cast_many(staged, keys=[job.keys.get(caster, job.name) for job in batch],
+                       offsets=[job.offset for job in batch], mode=caster.mode, backend=caster.config.backend,
+                       outs=[job.out for job in batch])
+        if caster.audit is not None:
+            for job, src, x in zip(batch, sources, staged):
+                master = x if src is job.master else _to_device(job.master, device)
+                caster.audit.observe(_audit_key(job.name, job.offset, job.master), caster.version, master, job.out)
+
+
+_BATCH = threading.local()  # .active: the FSDP2 fast path is collecting its group's casts
+
+
+def _fsdp2_job(fsdp_param, inputs) -> Optional[_Job]:
+    """The cast of a registered FSDP2 parameter's bf16 all-gather input, or None (not registered, no elements here,
+    not bf16, or a state or tensor subclass whose input is not the plain shard)."""
     spec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
-    if spec is None or spec.numel == 0 or out.dtype != torch.bfloat16:
-        return
-    src = fsdp_param._sharded_param_data[: spec.numel]
-    q = spec.caster.cast(spec.name, src, offset=spec.offset)
-    out[: spec.numel].copy_(q.to(out.device, non_blocking=True))
+    if spec is None or not spec.numel or len(inputs) != 1 or inputs[0].dtype != torch.bfloat16:
+        return None
+    if not _is_plain_sharded(fsdp_param):
+        return None
+    return _Job(spec.caster, spec.keys, spec.name, spec.offset, fsdp_param._sharded_param_data[: spec.numel],
+                inputs[0][: spec.numel])
 
 
 def _is_plain_sharded(fsdp_param) -> bool:
@@ -97,8 +175,10 @@ def _wrap_all_gather_inputs(prop: property) -> property:
 
     def all_gather_inputs(self):
         inputs = original(self)
-        if getattr(self, _ATTR, None) is not None and _is_plain_sharded(self):
-            _fair_cast_fsdp2(self, inputs[0])
+        if not getattr(_BATCH, "active", False):  # inside the fast path, its wrapper casts the whole group
+            job = _fsdp2_job(self, inputs)
+            if job is not None:
+                _cast_into([job])
         return inputs
 
     all_gather_inputs.__doc__ = original.__doc__
@@ -107,12 +187,15 @@ def _wrap_all_gather_inputs(prop: property) -> property:
 
 def _wrap_get_param_all_gather_inputs(original):
     def _get_param_all_gather_inputs(fsdp_params):
-        inputs = original(fsdp_params)
-        for fsdp_param, ins in zip(fsdp_params, inputs):
-            # Params that took the property path were already cast there; the fast path fills the rest.
-            if getattr(fsdp_param, _ATTR, None) is not None and _is_plain_sharded(fsdp_param) and len(ins) == 1:
-                if not getattr(fsdp_param, "offload_to_cpu", False) and fsdp_param.param_dtype is not None:
-                    _fair_cast_fsdp2(fsdp_param, ins[0])
+        outer = getattr(_BATCH, "active", False)
+        _BATCH.active = True
+        try:
+            inputs = original(fsdp_params)
+        finally:
+            _BATCH.active = outer
+        # One batch for the group, whichever path (foreach copy or property) made each input.
+        jobs = [job for fsdp_param, ins in zip(fsdp_params, inputs) if (job := _fsdp2_job(fsdp_param, ins))]
+        _cast_into(jobs)
         return inputs
 
     return _get_param_all_gather_inputs
@@ -130,12 +213,16 @@ def _wrap_use_low_precision_shard(original):
         if mp_shard.dtype != torch.bfloat16:
             return
         local = flat._local_shard
+        if spec.caster.mode != "error_feedback" and not spec.caster.ema_on:
+            local = _to_device(local, mp_shard.device)  # an offloaded shard: one copy for the whole flat shard
+        jobs = []
         for name, info in zip(spec.names, flat._shard_param_infos):
             if name is None or not info.in_shard or not info.numel_in_shard:
                 continue
-            src = local[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
-            q = spec.caster.cast(name, src, offset=info.intra_param_start_idx)
-            mp_shard[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard].copy_(q.to(mp_shard.device))
+            start, end = info.offset_in_shard, info.offset_in_shard + info.numel_in_shard
+            jobs.append(_Job(spec.caster, spec.keys, name, info.intra_param_start_idx, local[start:end],
+                             mp_shard[start:end]))
+        _cast_into(jobs)
 
     return _use_low_precision_shard
 
@@ -272,6 +359,7 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     and stochastic rounding would make them jitter between versions). Call :func:`apply_fsdp_cast_patches` too.
     """
     names = {id(p): canonical_name(n) for n, p in root.named_parameters()}
+    _LAYOUTS.pop(caster, None)  # shard layouts are learnt again at the next export
     registered = {**_register_fsdp2(root, caster, names, trainable_only), **_register_fsdp1(root, caster, trainable_only)}
     if not registered:
         raise FairCastPatchError(
@@ -321,32 +409,95 @@ def shard_layout(root: nn.Module) -> Dict[str, list]:
     return {name: [offset, shard.numel(), list(shape)] for name, offset, shard, shape in _registered(root)}
 
 
+#: Per caster, ``{(name, full shape, world size): [(global offset, numel) of each rank's shard]}``, learnt at a
+#: parameter's first assembly and dropped when a module is (un)registered. Every rank fills and reads it at the same
+#: calls (assembly is collective, in the same order everywhere), so every rank takes the same collectives.
+_LAYOUTS: "weakref.WeakKeyDictionary[FairCaster, Dict[tuple, List[Tuple[int, int]]]]" = weakref.WeakKeyDictionary()
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    dist = torch.distributed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name since torch 2.13
+    gather(output, tensor)
+
+
+def _shard_layout_of(caster: FairCaster, name: str, shape: tuple, mine: Tuple[int, int], device, world: int,
+                     rank: int) -> List[Tuple[int, int]]:
+    """Every rank's ``(global offset, numel)`` of ``name``: one small all-gather at the first assembly, then cached."""
+    cache = _LAYOUTS.setdefault(caster, {})
+    key = (name, shape, world)
+    layout = cache.get(key)
+    if layout is None:
+        gathered = torch.empty(2 * world, dtype=torch.int64, device=device)
+        _all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device))
+        layout = cache[key] = [tuple(pair) for pair in gathered.view(world, 2).tolist()]
+    elif layout[rank] != mine:
+        raise RuntimeError(
+            f"Fair Cast: this rank's shard of {name} is {mine} (offset, numel), not {layout[rank]} as at its first "
+            f"assembly: register the module again after resharding it (on every rank)"
+        )
+    return layout
+
+
+def _check_covered(name: str, numel: int, layout: List[Tuple[int, int]]) -> None:
+    reached = 0
+    for offset, n in sorted(p for p in layout if p[1]):
+        if offset > reached:
+            break
+        reached = max(reached, offset + n)
+    if reached < numel:
+        raise RuntimeError(f"Fair Cast: no rank holds some elements of {name}; cannot assemble its served copy")
+
+
 @torch.no_grad()
 def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, torch.Tensor]], shape,
                     device) -> torch.Tensor:
     """The full served bf16 copy of ``name``, put together from every rank's ``caster.cast`` of its own ``shard``
     (``(global offset, flat fp32 shard)`` from :func:`registered_shards`, or None when this rank holds none).
 
-    Collective over the default process group: every rank calls it for the same names in the same order. Each rank
-    writes ``bits + 1`` (1..65536, as int32) at its shard's global indices and zeros elsewhere; a MAX all-reduce
-    then gives each element's bits exactly, whatever the layout (replicated shards carry equal bits).
+    Collective over the default process group: every rank calls it for the same names in the same order. The ranks
+    all-gather their served bf16 shards (padded to the largest) and each puts every rank's shard at its global
+    offset (replicated shards carry equal bits). Which rank holds which elements is exchanged once per parameter
+    (the first assembly after registration), so later exports move the bf16 bits only, with no host sync.
     """
+    shape = tuple(shape)
     numel = math.prod(shape)
-    buf = torch.zeros(numel, dtype=torch.int32, device=device)
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    q = None
+    mine = (0, 0)
     if shard is not None:
         offset, master = shard
-        q = caster.cast(name, master, offset=offset)
-        buf[offset: offset + q.numel()] = q.view(torch.int16).to(device=device, dtype=torch.int32).bitwise_and(0xFFFF) + 1
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
-    if numel and not bool(buf.min() > 0):
-        raise RuntimeError(f"Fair Cast: no rank holds some elements of {name}; cannot assemble its served copy")
-    bits = buf - 1
-    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16).view(shape)
+        q = caster.cast(name, master, offset=offset).reshape(-1).to(device)
+        mine = (offset, q.numel())
+    if world == 1:
+        layout = [mine]
+    else:
+        layout = _shard_layout_of(caster, name, shape, mine, device, world, dist.get_rank())
+    _check_covered(name, numel, layout)
+    if not numel:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    if world == 1:
+        return q.view(shape)  # covered: the one shard is the whole tensor
+    width = max(n for _, n in layout)
+    send = q if q is not None and q.numel() == width else torch.zeros(width, dtype=torch.bfloat16, device=device)
+    if q is not None and send is not q:
+        send[: q.numel()] = q
+    gathered = torch.empty(world * width, dtype=torch.bfloat16, device=device)
+    _all_gather(gathered, send)
+    if all(n == max(0, min(width, numel - r * width)) and (not n or offset == r * width)
+           for r, (offset, n) in enumerate(layout)):
+        return gathered[:numel].view(shape)  # FSDP2's dim-0 chunks in rank order: the gathered buffer is the tensor
+    full = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    for r, (offset, n) in enumerate(layout):
+        if n:
+            full[offset: offset + n] = gathered[r * width: r * width + n]
+    return full.view(shape)
 
 
 def unregister_fsdp_module(root: nn.Module) -> None:
     """Give ``root`` back FSDP's stock cast."""
+    _LAYOUTS.clear()
     for module in root.modules():
         handle = getattr(module, "_handle", None)
         if handle is not None and hasattr(handle, _ATTR):

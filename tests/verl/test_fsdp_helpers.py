@@ -1,5 +1,5 @@
 """faircast_plugins.fsdp.assemble_served on one process: the bit packing that puts a served tensor together from
-shards (the multi-rank all-reduce itself runs in the worker tests at world sizes 2 and 3)."""
+shards (the multi-rank all-gather runs in test_fsdp_batched_cast.py and the worker tests at world sizes 2 and 3)."""
 from __future__ import annotations
 
 import pytest

@@ -115,6 +115,23 @@ def reexec_for_rss() -> None:
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
+def as_ranks(world: int) -> None:
+    """Unless already one of them, run this script as ``world`` local ranks (torchrun, a free port) and exit with
+    their status; each rank gets one thread (the ranks share the machine's cores)."""
+    if "RANK" in os.environ:
+        torch.set_num_threads(int(os.environ.get("FAIRCAST_STEP_THREADS", "1")))
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+           "127.0.0.1", "--master_port", str(port), sys.argv[0], *sys.argv[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("FAIRCAST_STEP_THREADS", "1")}
+    sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the model: a random small Qwen3-shaped causal LM, built in-process (no download)
 # ------------------------------------------------------------------------------------------------------------
@@ -277,8 +294,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def prewarm() -> None:
+    """Compile the engine's kernels (numba: once per process, tens of MiB of RSS) before any arm is measured."""
+    from faircast_plugins import FairCastConfig, FairCaster
+
+    x = torch.randn(4096)
+    for mode in ("stochastic", "sticky", "error_feedback"):
+        caster = FairCaster(FairCastConfig(enabled=True, mode=mode, audit=True, audit_sample=64))
+        caster.cast_many({"w": x, "v": x[:100]})
+        caster.cast("u", x, offset=4096)
+        caster.advance()
+
+
 def build_arms(specs, make: Callable[[str, Optional[str], bool], Arm]) -> List[Arm]:
-    """Build every arm and take its first (warm-up) step; the RSS growth of each is measured around both."""
+    """Build every arm and take its first (warm-up) step; the RSS growth of each is measured around both. A first
+    flag-off arm is built, stepped and dropped beforehand, so one-time costs (imports, first allocations, kernel
+    compilation) fall on no arm."""
+    prewarm()
+    label, mode, audit = specs[0]
+    throwaway = make(label, mode, audit)
+    throwaway.step()
+    del throwaway
     arms = []
     for label, mode, audit in specs:
         gc.collect()

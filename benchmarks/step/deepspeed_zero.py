@@ -58,7 +58,7 @@ def _tensors_of(obj, depth: int = 3):
     return out
 
 
-def make_arm_factory(stage: int, size: harness.Size):
+def make_arm_factory(stage: int, size: harness.Size, backend: str):
     import deepspeed
 
     from faircast_plugins import FairCastConfig, FairCaster
@@ -72,7 +72,8 @@ def make_arm_factory(stage: int, size: harness.Size):
         with harness.quiet_logs():
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                               config=ds_config(stage, size))
-        config = FairCastConfig(enabled=mode is not None, mode=mode or "stochastic", audit=audit, seed=1234)
+        config = FairCastConfig(enabled=mode is not None, mode=mode or "stochastic", audit=audit, seed=1234,
+                                backend=backend)
         with harness.quiet_logs():
             fc = apply_deepspeed_patch(engine, FairCaster(config))
         named = list(engine.module.named_parameters())
@@ -129,7 +130,8 @@ def main() -> int:
     path = f"DeepSpeed ZeRO-{args.stage}, {args.world} gloo ranks (TRL and OpenRLHF: apply_deepspeed_patch)"
     params = harness.count_params(harness.build_model(size))
     harness.header(path, size, params, args, extra=f"deepspeed {deepspeed.__version__}")
-    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(args.stage, size))
+    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(args.stage, size, args.backend),
+                              args.backend)
     harness.time_steps(arms, args.reps)
     harness.breakdown(arms, args.breakdown_reps, hooks)
     harness.report(path, arms, params, args, mem_target=MEM_TARGET)

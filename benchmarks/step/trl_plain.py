@@ -28,7 +28,7 @@ PATH = "TRL, one process (shadow masters)"
 MEM_TARGET = 2.0  # B/param for stochastic/sticky (issue #21)
 
 
-def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size):
+def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: str):
     import faircast_plugins.trl  # noqa: F401  (patches TRL, its configs included: import first)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -44,7 +44,7 @@ def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size):
     def make(label: str, mode, audit: bool) -> harness.Arm:
         args = GRPOConfig(
             output_dir=os.path.join(out_dir, label.replace(" ", "_")), faircast=mode is not None,
-            faircast_mode=mode or "stochastic", faircast_audit=audit, faircast_seed=1234, bf16=True, use_cpu=True,
+            faircast_mode=mode or "stochastic", faircast_audit=audit, faircast_seed=1234, faircast_backend=backend, bf16=True, use_cpu=True,
             per_device_train_batch_size=2, num_generations=2, max_completion_length=4, beta=0.0, learning_rate=1e-4,
             lr_scheduler_type="constant", warmup_steps=0, report_to="none", save_strategy="no", seed=0,
             dataloader_num_workers=0,
@@ -112,7 +112,8 @@ def main() -> int:
         model.save_pretrained(tmp)  # fp32: the trainers load it as their masters
         del model
         harness.header(PATH, size, params, args)
-        arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(tmp, tmp, size))
+        arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(tmp, tmp, size, args.backend),
+                                  args.backend)
         harness.time_steps(arms, args.reps)
         harness.breakdown(arms, args.breakdown_reps, hooks)
         harness.report(PATH, arms, params, args, mem_target=MEM_TARGET)

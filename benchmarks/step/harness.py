@@ -500,7 +500,9 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} logical CPUs"
 
 
+@functools.lru_cache(maxsize=None)
 def commit() -> str:
+    """The checkout's commit when the run started (``+dirty``: with uncommitted changes to tracked files)."""
     try:
         sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()

@@ -566,7 +566,7 @@ def report(path: str, arms: List[Arm], params: int, args, *, mem_target: Optiona
     say("ratio (med): median over repetitions of (arm step / flag-off step of the same repetition); (min): best "
         "times. FC state: bytes of the tensors Fair Cast holds (counted; summed over ranks) per model parameter. "
         "RSS: resident-memory growth of building the arm and its first step, minus flag off's, per parameter "
-        "(summed over ranks; noisy to ~+-0.5 B/param). step pk: the largest peak RSS above the step's start"
+        "(summed over ranks; noisy, several B/param under load: FC state is the exact number). step pk: the largest peak RSS above the step's start"
         + (f". {state_note}" if state_note else "."))
     for r in rows:
         if r["state_holders"]:

@@ -4,6 +4,7 @@
     nox -s demo         the main job: standard export vs Fair Cast on a tiny GRPO with a real vLLM engine
     nox -s bench        the rounding engine's throughput against a plain ``.to(torch.bfloat16)``
     nox -s ab           does it help? paired A/B runs (``-- --preset cpu`` for the full CPU reproduction)
+    nox -s bench-step   what ``faircast: true`` costs one training step, per adapter path (``-- --smoke``: structure)
 
 torch is always pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
 """
@@ -131,6 +132,27 @@ def ab(session: nox.Session) -> None:
     """Does it help? Paired A/B runs (TRL + vLLM): `nox -s ab -- --preset cpu` (default: the smoke preset)."""
     _trl_install(session)
     session.run("faircast", "ab", *(session.posargs or ["--preset", "smoke"]), env=OFFLINE_ENV)
+
+
+# The per-step benchmark (benchmarks/step/): one driver per adapter path, each in the environment of its framework.
+STEP_PATHS = {
+    "trl": ["benchmarks/step/trl_plain.py"],
+    "fsdp2": ["benchmarks/step/fsdp2.py"],
+    "zero2": ["benchmarks/step/deepspeed_zero.py", "--stage", "2"],
+    "zero3": ["benchmarks/step/deepspeed_zero.py", "--stage", "3"],
+}
+
+
+@nox.session(name="bench-step", python=PYTHON)
+@nox.parametrize("path", list(STEP_PATHS))
+def bench_step(session: nox.Session, path: str) -> None:
+    """One training step with the flag off and on, interleaved: time, Fair Cast's state bytes, RSS (README table).
+
+    ``nox -s "bench-step(path='zero3')" -- --reps 5``; ``-- --smoke`` for structure only (CI runs that in tests-trl).
+    The drivers set their own allocator variables (glibc returns freed buffers, so RSS follows the live tensors)."""
+    _trl_install(session)  # TRL, DeepSpeed 0.19.6 and torch: every driver here runs in it
+    session.run("python", *STEP_PATHS[path], *session.posargs,
+                env={**OFFLINE_ENV, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
 
 
 # verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus

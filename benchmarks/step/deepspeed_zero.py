@@ -1,0 +1,143 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 at 2 gloo ranks on CPU: what ``faircast: true`` costs one step (TRL and OpenRLHF).
+
+TRL's DeepSpeed backend and OpenRLHF's policy both attach Fair Cast the same way: ``apply_deepspeed_patch`` on the
+policy's engine, which makes DeepSpeed's fp32 -> bf16 copy-back after each optimizer step write the served copy.
+Each arm is a real ``deepspeed.initialize`` engine (bf16, torch's AdamW: no C++ op) on the same random Qwen3; a
+step is ``engine(ids)`` -> loss, ``engine.backward``, ``engine.step()``, then the weight sync a vLLM engine
+receives (each parameter, gathered under ZeRO-3, copied out in bf16, as OpenRLHF's broadcast reads it).
+
+    python benchmarks/step/deepspeed_zero.py --stage 2 [--smoke] [--reps N] [--world 2]
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+MEM_TARGET = 0.0  # B/param for stochastic/sticky (issue #21)
+
+
+def ds_config(stage: int, size: harness.Size) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": size.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10_000},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+    }
+
+
+def _tensors_of(obj, depth: int = 3):
+    """Every tensor in an object's attributes and containers, a few levels down (the optimizer's flat buffers)."""
+    out, seen = [], set()
+
+    def walk(o, d):
+        if id(o) in seen or d > depth:
+            return
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v, d + 1)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v, d + 1)
+        elif hasattr(o, "__dict__") and not isinstance(o, (torch.nn.Module, type)) and d < depth:
+            for v in vars(o).values():
+                walk(v, d + 1)
+
+    walk(obj, 0)
+    return out
+
+
+def make_arm_factory(stage: int, size: harness.Size, backend: str):
+    import deepspeed
+
+    from faircast_plugins import FairCastConfig, FairCaster
+    from faircast_plugins.deepspeed import apply_deepspeed_patch
+
+    ids = harness.batch(size, seed=1 + torch.distributed.get_rank())
+
+    def make(label: str, mode, audit: bool) -> harness.Arm:
+        model = harness.build_model(size).to(torch.bfloat16)
+        params = harness.count_params(model)
+        with harness.quiet_logs():
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                              config=ds_config(stage, size))
+        config = FairCastConfig(enabled=mode is not None, mode=mode or "stochastic", audit=audit, seed=1234,
+                                backend=backend)
+        with harness.quiet_logs():
+            fc = apply_deepspeed_patch(engine, FairCaster(config))
+        named = list(engine.module.named_parameters())
+        sent = {}
+
+        def step() -> None:
+            loss = harness.lm_loss(engine, ids)
+            engine.backward(loss)
+            engine.step()
+            with torch.no_grad():
+                for name, p in named:
+                    with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
+                        sent[name] = p.data.to(torch.bfloat16, copy=True)  # what the engine broadcasts to vLLM
+            sent.clear()
+
+        def state_bytes():
+            if fc is None:
+                return {}
+            exclude = harness.model_storages(engine.module)
+            exclude.update(harness.storages(_tensors_of(engine.optimizer)))
+            return harness.fair_cast_bytes({"engine._faircast": fc}, exclude)
+
+        arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
+        arm.fc = fc
+        return arm
+
+    return make
+
+
+def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
+    from faircast_plugins.deepspeed import patch
+
+    if arm.fc is None:
+        return
+    timers.wrap(patch._CopyBackInterceptor, "copy_", "hook: copy-back copy_ (cast + copies)")
+    timers.wrap(patch, "_copy_back_problem", "hook: copy-back check")
+    timers.wrap(patch, "_on_any_rank", "hook: check all-reduce")
+    timers.wrap(patch.WeightLayout, "of_engine", "hook: weight layout")
+    timers.wrap(patch.DeepSpeedFairCast, "take_model_step", "hook: whole take_model_step (incl. optimizer)")
+
+
+def main() -> int:
+    harness.reexec_for_rss()
+    parser = harness.arguments(__doc__.split("\n")[0])
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2)
+    parser.add_argument("--world", type=int, default=2, help="local gloo ranks (default 2)")
+    args = parser.parse_args()
+    harness.as_ranks(args.world)
+    size = harness.settle(args)
+    import deepspeed
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # a JIT C++ build gloo never uses
+    deepspeed.init_distributed(dist_backend="gloo")
+    path = f"DeepSpeed ZeRO-{args.stage}, {args.world} gloo ranks (TRL and OpenRLHF: apply_deepspeed_patch)"
+    params = harness.count_params(harness.build_model(size))
+    harness.header(path, size, params, args, extra=f"deepspeed {deepspeed.__version__}")
+    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(args.stage, size, args.backend),
+                              args.backend)
+    harness.time_steps(arms, args.reps)
+    harness.breakdown(arms, args.breakdown_reps, hooks)
+    harness.report(path, arms, params, args, mem_target=MEM_TARGET)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""TRL, one process: what ``faircast: true`` costs one GRPO optimizer step and the engine sync after it.
+
+Each arm is a real ``GRPOTrainer`` (the patched TRL, so Fair Cast's callback and backend are the ones a user gets)
+on the same random Qwen3 (fp32 masters, ``bf16=True`` compute, AdamW). A step is what the trainer does around one
+optimizer step, on a fixed batch: the loss under the trainer's autocast, ``backward``, the callback's
+``on_pre_optimizer_step``, ``optimizer.step()``, ``on_optimizer_step``, ``zero_grad``; then the weight sync a
+vLLM engine receives (TRL's export stream through the callback, each tensor cast to bf16 as vLLM's ``copy_``
+does). Generation and rewards are the same with the flag on and off and are left out.
+
+    python benchmarks/step/trl_plain.py [--smoke] [--reps N] [--arms 'flag off,stochastic']
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+for var, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true"),
+                   ("VLLM_NO_USAGE_STATS", "1")):
+    os.environ.setdefault(var, value)
+
+import torch  # noqa: E402
+
+PATH = "TRL, one process (shadow masters)"
+MEM_TARGET = 2.0  # B/param for stochastic/sticky (issue #21)
+
+
+def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: str):
+    import faircast_plugins.trl  # noqa: F401  (patches TRL, its configs included: import first)
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from faircast_plugins.doctor.tiny import PROMPTS
+    from faircast_plugins.trl.patches import find_callback
+
+    ids = harness.batch(size)
+
+    def reward(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    def make(label: str, mode, audit: bool) -> harness.Arm:
+        args = GRPOConfig(
+            output_dir=os.path.join(out_dir, label.replace(" ", "_")), faircast=mode is not None,
+            faircast_mode=mode or "stochastic", faircast_audit=audit, faircast_seed=1234, faircast_backend=backend, bf16=True, use_cpu=True,
+            per_device_train_batch_size=2, num_generations=2, max_completion_length=4, beta=0.0, learning_rate=1e-4,
+            lr_scheduler_type="constant", warmup_steps=0, report_to="none", save_strategy="no", seed=0,
+            dataloader_num_workers=0,
+        )
+        with harness.quiet_logs():
+            trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}))
+        trainer.create_optimizer()
+        optimizer = trainer.optimizer
+        callback = find_callback(trainer)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if callback is not None:
+            callback.on_train_begin(args, trainer.state, trainer.control)
+        sent = {}
+
+        def step() -> None:
+            model.train()
+            with trainer.compute_loss_context_manager():
+                loss = harness.lm_loss(model, ids)
+            trainer.accelerator.backward(loss)
+            if callback is not None:
+                callback.on_pre_optimizer_step(args, trainer.state, trainer.control)
+            optimizer.step()
+            if callback is not None:
+                callback.on_optimizer_step(args, trainer.state, trainer.control)
+            optimizer.zero_grad(set_to_none=True)
+            trainer.state.global_step += 1
+            stream = model.named_parameters()
+            with torch.no_grad():
+                for name, tensor in (callback.export(stream) if callback is not None else stream):
+                    sent[name] = tensor.to(torch.bfloat16)  # what vLLM's bf16 parameter receives
+            sent.clear()
+
+        def state_bytes():
+            if callback is None:
+                return {}
+            return harness.fair_cast_bytes({"callback": callback}, harness.model_storages(model, optimizer))
+
+        arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=harness.count_params(model))
+        arm.callback = callback
+        return arm
+
+    return make
+
+
+def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
+    cb = arm.callback
+    if cb is None:
+        return
+    timers.wrap(cb, "on_pre_optimizer_step", "hook: before step (copies)")
+    timers.wrap(cb, "on_optimizer_step", "hook: after step (copies + cast)")
+    timers.wrap_generator(cb, "export", "hook: export")
+
+
+def main() -> int:
+    harness.reexec_for_rss()
+    args = harness.arguments(__doc__.split("\n")[0]).parse_args()
+    size = harness.settle(args)
+    with tempfile.TemporaryDirectory(prefix="faircast-step-trl-") as tmp:
+        from faircast_plugins.doctor.tiny import build_tokenizer
+
+        build_tokenizer(tmp)
+        model = harness.build_model(size)
+        params = harness.count_params(model)
+        model.save_pretrained(tmp)  # fp32: the trainers load it as their masters
+        del model
+        harness.header(PATH, size, params, args)
+        arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(tmp, tmp, size, args.backend),
+                                  args.backend)
+        harness.time_steps(arms, args.reps)
+        harness.breakdown(arms, args.breakdown_reps, hooks)
+        harness.report(PATH, arms, params, args, mem_target=MEM_TARGET)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,8 +8,13 @@
 * after it: ``master <- p``, version += 1, ``p <- q`` at the new version.
 
 Generation (with or without vLLM), old log-probs and the loss all see ``q``; autocast's bf16 cast of ``q`` is exact,
-and so is vLLM's ``copy_`` into its bf16 weights. Cost: +4 B/param for the masters (+4 more for an error-feedback
-residual or an EMA), two copies per optimizer step.
+and so is vLLM's ``copy_`` into its bf16 weights.
+
+Cost: +2 B/param for ``stochastic``, ``sticky`` and ``nearest``: a master is kept as its low 16 bits plus an exception
+list (:mod:`faircast_plugins.master16`) and rebuilt in place from ``q`` before each step, so "``p <- master``" is a
+recovery and "``master <- p``" takes the low bits. Error feedback and EMA keep fp32 masters (+4 B, plus their own
+state): their ``q`` is not a function of the master alone. Frozen parameters keep theirs in 2 B too. While saving,
+the parameters hold the fp32 masters, so checkpoints are what they were.
 
 With only ``faircast_audit`` on nothing is swapped: the audit measures the round-to-nearest copy that vLLM serves,
 casting only the sampled elements.

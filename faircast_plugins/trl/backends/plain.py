@@ -66,8 +66,8 @@ class ShadowMasters(Backend):
         if name in self.full:
             return self.full[name]
         p = {**self.params, **self.frozen}[name]
-        if name in self.in_params:
-            return p.detach().clone()
+        if name in self.in_params:  # the parameter holds it: the live tensor, as a kept fp32 master is
+            return p.detach()
         return recover(p.detach(), self.compacts[name], self.config.backend)
 
     def _take_masters(self) -> None:

@@ -65,7 +65,7 @@ class ShadowMasters(Backend):
     def _master(self, name: str) -> torch.Tensor:
         if name in self.full:
             return self.full[name]
-        p = {**self.params, **self.frozen}[name]
+        p = self.params.get(name, self.frozen.get(name))
         if name in self.in_params:  # the parameter holds it: the live tensor, as a kept fp32 master is
             return p.detach()
         return recover(p.detach(), self.compacts[name], self.config.backend)
@@ -90,9 +90,10 @@ class ShadowMasters(Backend):
 
     def _recover_in_params(self, names) -> None:
         """The parameters of ``names`` that hold their served copy hold their master afterwards (in place)."""
+        params = self.everything()
         for n in names:
             if n not in self.in_params and n not in self.full:
-                recover_(self.everything()[n].data, self.compacts[n], self.config.backend)
+                recover_(params[n].data, self.compacts[n], self.config.backend)
                 self.in_params.add(n)
 
     def everything(self) -> Dict[str, torch.nn.Parameter]:

@@ -43,7 +43,8 @@ tr.train()
 cb_state = tr._faircast
 rank = tr.accelerator.process_index
 torch.save({"served": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "masters": cb_state.masters, "version": cb_state.caster.version, "world": tr.accelerator.num_processes,
+            "masters": dict(cb_state.masters),  # (a read-only view: 2 B masters)
+            "version": cb_state.caster.version, "world": tr.accelerator.num_processes,
             "generations": generations, "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "buffer_dtypes": sorted({str(b.dtype) for b in model.buffers()})},
            os.path.join(out, f"rank{rank}.pt"))

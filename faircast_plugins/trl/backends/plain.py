@@ -8,8 +8,13 @@
 * after it: ``master <- p``, version += 1, ``p <- q`` at the new version.
 
 Generation (with or without vLLM), old log-probs and the loss all see ``q``; autocast's bf16 cast of ``q`` is exact,
-and so is vLLM's ``copy_`` into its bf16 weights. Cost: +4 B/param for the masters (+4 more for an error-feedback
-residual or an EMA), two copies per optimizer step.
+and so is vLLM's ``copy_`` into its bf16 weights.
+
+Cost: +2 B/param for ``stochastic``, ``sticky`` and ``nearest``: a master is kept as its low 16 bits plus an exception
+list (:mod:`faircast_plugins.master16`) and rebuilt in place from ``q`` before each step, so "``p <- master``" is a
+recovery and "``master <- p``" takes the low bits. Error feedback and EMA keep fp32 masters (+4 B, plus their own
+state): their ``q`` is not a function of the master alone. Frozen parameters keep theirs in 2 B too. While saving,
+the parameters hold the fp32 masters, so checkpoints are what they were.
 
 With only ``faircast_audit`` on nothing is swapped: the audit measures the round-to-nearest copy that vLLM serves,
 casting only the sampled elements.
@@ -17,11 +22,13 @@ casting only the sampled elements.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Dict, Iterator, Mapping, Optional
 
 import torch
 
 from ...audit import sample_positions
+from ...cast import fair_cast
+from ...master16 import COMPACT_MODES, Compact, compact, recover, recover_
 from . import Backend, restoring_buffers
 
 
@@ -32,10 +39,65 @@ class ShadowMasters(Backend):
         super().__init__(trainer, caster)
         self.params: Dict[str, torch.nn.Parameter] = {}  # trainable: cast at every version
         self.frozen: Dict[str, torch.nn.Parameter] = {}  # frozen: round to nearest once
+        self.compacts: Dict[str, Compact] = {}  # 2 B masters beside the served copy each parameter holds
+        self.in_params: set = set()  # names whose parameter holds its master right now (not the served copy)
 
     @property
     def shadow(self) -> bool:
         return self.config.enabled
+
+    @property
+    def compact_trainable(self) -> bool:
+        """Trainable masters kept in 2 B: the served copy gives them back (not with EMA or error feedback, whose served
+        copy is not a function of the master alone)."""
+        return self.shadow and self.caster.mode in COMPACT_MODES and not self.caster.ema_on
+
+    # -- the masters: kept in fp32 (``full``), or as 2 B beside the served copy (``compacts``) ----------------------
+    @property
+    def masters(self) -> Mapping[str, torch.Tensor]:
+        """The fp32 masters by canonical name (trainable and frozen); compact ones are recovered on each read."""
+        return _Masters(self) if self.shadow else {}
+
+    @masters.setter
+    def masters(self, value) -> None:  # Backend.__init__ sets {}
+        self.full = dict(value)
+
+    def _master(self, name: str) -> torch.Tensor:
+        if name in self.full:
+            return self.full[name]
+        p = self.params.get(name, self.frozen.get(name))
+        if name in self.in_params:  # the parameter holds it: the live tensor, as a kept fp32 master is
+            return p.detach()
+        return recover(p.detach(), self.compacts[name], self.config.backend)
+
+    def _take_masters(self) -> None:
+        """The parameters hold the masters now (fresh, or a checkpoint's): keep the fp32 ones aside (error feedback,
+        EMA), mark the others as held by their parameters, and cast the frozen ones (round to nearest, once)."""
+        if not self.shadow:
+            return
+        with torch.no_grad():
+            self.full = {} if self.compact_trainable else {n: p.detach().clone() for n, p in self.params.items()}
+            self.in_params = set(self.frozen) | (set(self.params) - set(self.full))
+            for n, p in self.frozen.items():
+                q = p.data.to(torch.bfloat16)
+                self.compacts[n] = compact(p.data, q, key=None, mode="nearest", low16=self._buffer(n))
+                p.data.copy_(q)
+                self.in_params.discard(n)
+
+    def _buffer(self, name: str) -> Optional[torch.Tensor]:
+        c = self.compacts.get(name)
+        return None if c is None else c.low16
+
+    def _recover_in_params(self, names) -> None:
+        """The parameters of ``names`` that hold their served copy hold their master afterwards (in place)."""
+        params = self.everything()
+        for n in names:
+            if n not in self.in_params and n not in self.full:
+                recover_(params[n].data, self.compacts[n], self.config.backend)
+                self.in_params.add(n)
+
+    def everything(self) -> Dict[str, torch.nn.Parameter]:
+        return {**self.params, **self.frozen}
 
     def prepare(self) -> None:
         params = self.fp32_params()
@@ -45,16 +107,6 @@ class ShadowMasters(Backend):
         with torch.no_grad():
             self._serve()  # version 0
         self.ready = True
-
-    def _take_masters(self) -> None:
-        """The parameters hold the masters now (fresh, or a checkpoint's): keep them aside, and cast the frozen ones
-        (round to nearest, once)."""
-        if not self.shadow:
-            return
-        with torch.no_grad():
-            self.masters = {n: p.detach().clone() for n, p in {**self.params, **self.frozen}.items()}
-            for p in self.frozen.values():
-                p.data.copy_(p.data.to(torch.bfloat16))
 
     def begin(self, state, resume_dir: Optional[str]) -> None:
         if resume_dir:
@@ -68,9 +120,23 @@ class ShadowMasters(Backend):
         if not self.shadow:
             self._audit()
             return
-        served = self.caster.cast_many({n: self.masters[n] for n in self.params})
-        for n, q in served.items():
-            self.params[n].data.copy_(q)
+        if self.full:
+            served = self.caster.cast_many({n: self.full[n] for n in self.params})
+            for n, q in served.items():
+                self.params[n].data.copy_(q)
+            return
+        stale = [n for n in self.params if n not in self.in_params and self.compacts[n].key != self._key(n)]
+        self._recover_in_params(stale)  # served at another version (a resume without a checkpoint's masters)
+        for n in [n for n in self.params if n in self.in_params]:  # one at a time: no second copy of the model
+            p = self.params[n]
+            q = self.caster.cast(n, p.data)
+            self.compacts[n] = compact(p.data, q, key=self._key(n), mode=self.caster.mode,
+                                       backend=self.config.backend, low16=self._buffer(n))
+            p.data.copy_(q)
+            self.in_params.discard(n)
+
+    def _key(self, name: str) -> Optional[int]:
+        return None if self.caster.mode == "nearest" else self.caster.key(name)
 
     def _audit(self) -> None:
         """Audit only: cast the audit's sample of each trainable weight (widened to fp32: exact, and it matters once
@@ -86,14 +152,20 @@ class ShadowMasters(Backend):
         if self.shadow:
             with torch.no_grad():
                 for n, p in self.params.items():
-                    p.data.copy_(self.masters[n])
+                    if n in self.full:
+                        p.data.copy_(self.full[n])
+                self._recover_in_params(self.params)
 
     def after_step(self) -> None:
         with torch.no_grad():
             if self.shadow:
-                for n, p in self.params.items():
-                    self.masters[n].copy_(p.data)
-                self.caster.advance({n: self.masters[n] for n in self.params})
+                if self.full:
+                    for n, p in self.params.items():
+                        self.full[n].copy_(p.data)
+                    self.caster.advance({n: self.full[n] for n in self.params})
+                else:
+                    self.in_params |= set(self.params)  # the optimizer wrote the new masters into the parameters
+                    self.caster.advance()
             else:
                 self.caster.advance()
             self._serve()
@@ -139,19 +211,63 @@ class ShadowMasters(Backend):
 
     @contextmanager
     def masters_in_params(self):
-        """Point every parameter at its master while saving, and back afterwards: no copy, no extra memory."""
-        if not (self.shadow and self.masters):
+        """Every parameter holds its master while saving, and its served copy afterwards: the fp32 ones are pointed at
+        (no copy), the compact ones recovered in place and cast back (the same bits: same master, same key)."""
+        if not self.shadow:
             yield
             return
-        params = {**self.params, **self.frozen}
-        served = {n: p.data for n, p in params.items()}
+        params = self.everything()
+        served = {n: p.data for n, p in params.items() if n in self.full}
+        recovered = [n for n in params if n not in self.full and n not in self.in_params]
         try:
-            for n, p in params.items():
-                p.data = self.masters[n]
+            for n in served:
+                params[n].data = self.full[n]
+            with torch.no_grad():
+                self._recover_in_params(recovered)
             yield
         finally:
-            for n, p in params.items():
-                p.data = served[n]
+            for n, data in served.items():
+                params[n].data = data
+            with torch.no_grad():
+                for n in recovered:
+                    self._reserve(n)
+
+    def _reserve(self, name: str) -> None:
+        """Cast back a parameter that holds its master, under the key its compact state was made with."""
+        p, c = self.everything()[name], self.compacts[name]
+        if c.mode == "nearest" and name in self.frozen:
+            q = p.data.to(torch.bfloat16)
+        else:
+            q = fair_cast(p.data, key=c.key or 0, mode=c.mode, backend=self.config.backend)
+        p.data.copy_(q)
+        self.in_params.discard(name)
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors this backend keeps beside the parameters (masters, their compact state)."""
+        return (sum(t.numel() * t.element_size() for t in self.full.values())
+                + sum(c.nbytes() for c in self.compacts.values()))
 
     def saved_weights(self) -> str:
         return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"
+
+
+class _Masters(Mapping):
+    """Read-only view of a :class:`ShadowMasters`' fp32 masters: each read of a compact one recovers it."""
+
+    def __init__(self, backend: ShadowMasters):
+        self.backend = backend
+
+    def _names(self):
+        return list(self.backend.params) + list(self.backend.frozen)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.backend.params and name not in self.backend.frozen:
+            raise KeyError(name)
+        with torch.no_grad():
+            return self.backend._master(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())

@@ -96,7 +96,7 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
 
     if arm.backend is None:
         return
-    timers.wrap(fsdp, "_fair_cast_fsdp2", "hook: FSDP all-gather cast site")
+    timers.wrap(fsdp, "_cast_into", "hook: FSDP all-gather cast site")
     timers.wrap(arm.backend, "after_step", "hook: after step")
     timers.wrap_generator(arm.backend, "export", "hook: export")
 

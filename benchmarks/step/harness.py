@@ -370,8 +370,9 @@ class Timers:
 
     def wrap(self, owner, attr: str, label: str) -> None:
         original = getattr(owner, attr, None)
-        if original is None:
-            return
+        if original is None:  # a renamed hook would silently drop out of the breakdown
+            raise AttributeError(f"step benchmark: {getattr(owner, '__name__', owner)!r} has no {attr!r} to time "
+                                 f"for {label!r}: update the benchmark's hooks")
         timers = self
 
         @functools.wraps(original)
@@ -389,7 +390,8 @@ class Timers:
         """Time a generator function's work (each ``next``), not its consumer's."""
         original = getattr(owner, attr, None)
         if original is None:
-            return
+            raise AttributeError(f"step benchmark: {getattr(owner, '__name__', owner)!r} has no generator {attr!r} "
+                                 f"to time for {label!r}: update the benchmark's hooks")
         timers = self
 
         @functools.wraps(original)
@@ -422,11 +424,12 @@ def engine_timers(timers: Timers) -> None:
     timers.wrap(caster, "fair_cast_many", "engine: cast kernel")
     timers.wrap(caster, "mode_key", "engine: key derivation")
     timers.wrap(audit.Audit, "observe", "engine: audit")
-    for module_name in ("faircast_plugins.trl.backends.fsdp", "faircast_plugins.fsdp",
+    for module_name in ("faircast_plugins.trl.backends.fsdp", "faircast_plugins.fsdp", "faircast_plugins.master16",
                         "faircast_plugins.deepspeed.patch", "faircast_plugins.verl.engine"):
         module = sys.modules.get(module_name)
-        if module is not None:  # adapters that call the kernel directly
-            timers.wrap(module, "fair_cast", "engine: cast kernel")
+        for name in ("fair_cast", "fair_cast_many"):
+            if module is not None and hasattr(module, name):  # adapters that call the kernel directly
+                timers.wrap(module, name, "engine: cast kernel")
 
 
 def breakdown(arms: List[Arm], reps: int, hooks: Callable[[Timers, Arm], None]) -> None:

@@ -33,6 +33,11 @@ _HELP = {
     "faircast_audit": "Fair Cast audit: log faircast/* metrics (lag, bias, changed fractions); works with faircast off.",
     "faircast_audit_sample": "Fair Cast audit: elements sampled per parameter for the metrics.",
     "faircast_backend": "Fair Cast kernel: 'auto' (Triton on CUDA, numba on CPU), 'torch', 'triton' or 'cpu'.",
+    "faircast_master_bytes": (
+        "Fair Cast, one process/DDP with stochastic, sticky or nearest: bytes per parameter kept for the fp32 masters. "
+        "2 (default): their low 16 bits beside the served copy, recovered bit for bit around each optimizer step (more "
+        "elementwise passes per step); 4: a full fp32 copy (faster steps, +2 B/param). Same bits either way."
+    ),
     "faircast_resume_without_state": (
         "Fair Cast: resume from a checkpoint that has no Fair Cast state, starting the error-feedback residuals or "
         "the EMA fresh at the checkpoint's step (the run is then not reproducible). Off: such a resume is refused."
@@ -52,6 +57,7 @@ class FairCastArguments:
     faircast_audit_sample: int = field(default=4096, metadata={"help": _HELP["faircast_audit_sample"]})
     faircast_backend: str = field(default="auto", metadata={"help": _HELP["faircast_backend"]})
     faircast_resume_without_state: bool = field(default=False, metadata={"help": _HELP["faircast_resume_without_state"]})
+    faircast_master_bytes: int = field(default=2, metadata={"help": _HELP["faircast_master_bytes"]})
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FairCastArguments))
@@ -80,6 +86,19 @@ def _post_init(self) -> None:
     self.faircast_ema_decay, self.faircast_audit = cfg.ema_decay, cfg.audit
     self.faircast_audit_sample, self.faircast_backend = cfg.audit_sample, cfg.backend
     self.faircast_resume_without_state = parse_bool(self.faircast_resume_without_state, "faircast_resume_without_state")
+    self.faircast_master_bytes = master_bytes(self.faircast_master_bytes)
+
+
+def master_bytes(value) -> int:
+    """``faircast_master_bytes`` checked: 2 or 4 (an int, or its string from a YAML/CLI)."""
+    try:
+        parsed = int(str(value).strip())
+    except ValueError:
+        parsed = None
+    if parsed not in (2, 4) or isinstance(value, bool):
+        raise ValueError(f"faircast_master_bytes must be 2 (low 16 bits beside the served copy) or 4 (a full fp32 "
+                         f"copy), got {value!r}")
+    return parsed
 
 
 def make_config_class(base: type) -> type:

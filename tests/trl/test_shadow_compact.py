@@ -32,15 +32,16 @@ class Tiny(torch.nn.Module):
                                          requires_grad=False)
 
 
-def _trainer(model):
+def _trainer(model, master_bytes=2):
     accelerator = SimpleNamespace(unwrap_model=lambda m: m, process_index=0, num_processes=1,
                                   device=torch.device("cpu"))
-    return SimpleNamespace(accelerator=accelerator, model=model, args=SimpleNamespace(should_save=True))
+    return SimpleNamespace(accelerator=accelerator, model=model,
+                           args=SimpleNamespace(should_save=True, faircast_master_bytes=master_bytes))
 
 
-def _run(cls, config, seed=0):
+def _run(cls, config, seed=0, master_bytes=2):
     model = Tiny(seed)
-    backend = cls(_trainer(model), FairCaster(config))
+    backend = cls(_trainer(model, master_bytes), FairCaster(config))
     backend.prepare()
     opt = torch.optim.Adam([{"params": [model.w, model.b], "lr": 1e-2}, {"params": [model.special], "lr": 0.0}])
     return model, backend, opt
@@ -174,3 +175,29 @@ def test_exception_list_and_key_are_needed():
     assert not torch.equal(_bits(ref.masters["special"]), _bits(backend.masters["special"]))
     backend.compacts["w"].key ^= 1
     assert not torch.equal(_bits(ref.masters["w"]), _bits(backend.masters["w"]))
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "sticky"])
+def test_master_bytes_4_keeps_fp32_masters_with_the_same_bits(mode):
+    """``faircast_master_bytes: 4`` (faster steps): trainable masters kept in fp32, every step's bits equal to the
+    reference and to the 2 B backend's."""
+    config = CONFIGS[mode]
+    pairs = [_run(ReferenceShadowMasters, config), _run(ShadowMasters, config),
+             _run(ShadowMasters, config, master_bytes=4)]
+    for _, backend, _ in pairs:
+        backend.begin(SimpleNamespace(global_step=0), None)
+    for step in range(3):
+        _step(pairs, step)
+    model, backend = pairs[2][0], pairs[2][1]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert set(backend.full) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert backend.state_bytes() >= 4 * trainable and pairs[1][1].state_bytes() < 4 * trainable
+
+
+def test_master_bytes_is_checked():
+    from faircast_plugins.trl.config import master_bytes
+
+    assert master_bytes(2) == 2 and master_bytes("4") == 4
+    for bad in (3, 0, "two", True, 2.5):
+        with pytest.raises(ValueError, match="faircast_master_bytes must be 2"):
+            master_bytes(bad)

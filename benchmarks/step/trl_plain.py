@@ -28,7 +28,7 @@ PATH = "TRL, one process (shadow masters)"
 MEM_TARGET = 2.0  # B/param for stochastic/sticky (issue #21)
 
 
-def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: str):
+def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: str, master_bytes: int = 2):
     import faircast_plugins.trl  # noqa: F401  (patches TRL, its configs included: import first)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -44,7 +44,8 @@ def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: 
     def make(label: str, mode, audit: bool) -> harness.Arm:
         args = GRPOConfig(
             output_dir=os.path.join(out_dir, label.replace(" ", "_")), faircast=mode is not None,
-            faircast_mode=mode or "stochastic", faircast_audit=audit, faircast_seed=1234, faircast_backend=backend, bf16=True, use_cpu=True,
+            faircast_mode=mode or "stochastic", faircast_audit=audit, faircast_seed=1234, faircast_backend=backend, faircast_master_bytes=master_bytes,
+            bf16=True, use_cpu=True,
             per_device_train_batch_size=2, num_generations=2, max_completion_length=4, beta=0.0, learning_rate=1e-4,
             lr_scheduler_type="constant", warmup_steps=0, report_to="none", save_strategy="no", seed=0,
             dataloader_num_workers=0,
@@ -101,7 +102,10 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
 
 def main() -> int:
     harness.reexec_for_rss()
-    args = harness.arguments(__doc__.split("\n")[0]).parse_args()
+    parser = harness.arguments(__doc__.split("\n")[0])
+    parser.add_argument("--master-bytes", type=int, choices=(2, 4), default=2,
+                        help="faircast_master_bytes of the Fair Cast arms (2: low 16 bits, the default; 4: fp32)")
+    args = parser.parse_args()
     size = harness.settle(args)
     with tempfile.TemporaryDirectory(prefix="faircast-step-trl-") as tmp:
         from faircast_plugins.doctor.tiny import build_tokenizer
@@ -111,12 +115,14 @@ def main() -> int:
         params = harness.count_params(model)
         model.save_pretrained(tmp)  # fp32: the trainers load it as their masters
         del model
-        harness.header(PATH, size, params, args)
-        arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(tmp, tmp, size, args.backend),
+        path = f"{PATH}, {args.master_bytes} B masters"
+        harness.header(path, size, params, args)
+        arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(tmp, tmp, size, args.backend,
+                                                                            args.master_bytes),
                                   args.backend)
         harness.time_steps(arms, args.reps)
         harness.breakdown(arms, args.breakdown_reps, hooks)
-        harness.report(PATH, arms, params, args, mem_target=MEM_TARGET)
+        harness.report(path, arms, params, args, mem_target=MEM_TARGET)
     return 0
 
 

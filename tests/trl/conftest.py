@@ -37,6 +37,18 @@ def prompts_dataset():
 
 
 @pytest.fixture(autouse=True)
+def _no_llvmlite_next_to_vllm():
+    """A test that imports numba (llvmlite) in this process breaks every later test that builds a vLLM CPU engine
+    (vLLM's kernel-override scan crashes on llvmlite's objects; faircast_plugins.cast.numba_blocked_reason): fail
+    that test, by name, instead of the unrelated ones after it. Use backend='torch' in-process, or a subprocess."""
+    before = "llvmlite" in sys.modules
+    yield
+    if not before and "llvmlite" in sys.modules:
+        pytest.fail("this test imported numba/llvmlite into the pytest process: later vLLM CPU engines would fail to "
+                    "build; use backend='torch' here or run the numba kernel in a subprocess")
+
+
+@pytest.fixture(autouse=True)
 def _isolated_environment():
     """Undo environment changes after each test: TRL's colocated vLLM sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_PORT
     in this process (vllm_generation.py), and a later test's subprocess would otherwise start a process group on a

@@ -56,10 +56,10 @@ def _is_dtensor(t) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def check_local_tensor(t, what: str = "x") -> None:
+def check_local_tensor(t, what: str = "x", *, storage: bool = True) -> None:
     """Refuse a tensor whose elements the kernels cannot address: a DTensor (its ``data_ptr()`` is 0, so a CUDA
-    launch would fault on a null pointer, kill the rank and hang its NCCL peers) or any other tensor with elements
-    but no storage pointer (meta tensors, wrapper subclasses)."""
+    launch would fault on a null pointer, kill the rank and hang its NCCL peers) or, with ``storage`` (at a kernel
+    launch), any other tensor with elements but no storage pointer (meta tensors, wrapper subclasses)."""
     if t is None:
         return
     if _is_dtensor(t):
@@ -67,7 +67,7 @@ def check_local_tensor(t, what: str = "x") -> None:
             f"Fair Cast got a DTensor as {what}: it casts plain local tensors. Pass this rank's shard, "
             f"t.to_local(), with offset=<global index of its first element>, or the whole tensor, t.full_tensor()"
         )
-    if t.numel() and t.data_ptr() == 0:
+    if storage and t.numel() and t.data_ptr() == 0:
         raise TypeError(
             f"Fair Cast got a {type(t).__name__} as {what} on {t.device} with {t.numel()} elements and no storage "
             f"pointer (data_ptr() == 0: a meta tensor or a tensor subclass): pass a plain tensor that holds the "

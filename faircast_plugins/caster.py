@@ -152,7 +152,8 @@ class FairCaster:
         indices: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The served bf16 copy of ``master`` (a full parameter, or a shard starting at global ``offset``)."""
-        check_local_tensor(master, f"the master of {name}")  # before any state (EMA, residual) is made from it
+        # a DTensor before any state (EMA, residual) is made from it; a launch checks storage pointers itself
+        check_local_tensor(master, f"the master of {name}", storage=False)
         cname = canonical_name(name)
         src = self.source(cname, master)
         if self.mode == "error_feedback":
@@ -175,7 +176,7 @@ class FairCaster:
         if self.mode == "error_feedback" or not pairs:
             return {n: self.cast(n, x, offset=o) for (n, x), o in zip(pairs, offsets)}
         for n, x in pairs:
-            check_local_tensor(x, f"the master of {n}")
+            check_local_tensor(x, f"the master of {n}", storage=False)
         names = [canonical_name(n) for n, _ in pairs]
         srcs = [self.source(n, x) for n, (_, x) in zip(names, pairs)]
         keys = [self.key(n) for n in names]

@@ -48,7 +48,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default {','.join(MODES)})")
 
 
-def _machine(device: torch.device) -> str:
+def machine_name(device: torch.device) -> str:
+    """The device's name for a benchmark record: the GPU's, or the CPU model with its logical CPU count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or platform.machine()
@@ -170,7 +171,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     threads = f"torch threads {torch.get_num_threads()}"
     print(f"faircast bench  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  device {device}: "
-          f"{_machine(device)}")
+          f"{machine_name(device)}")
     print(f"torch {torch.__version__}, {threads}; {args.numel:,} elements, {args.reps} repetitions; "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
 

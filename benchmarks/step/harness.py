@@ -25,7 +25,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -494,13 +493,9 @@ def _gather(arms: List[Arm]) -> List[dict]:
 
 
 def machine() -> str:
-    model = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical CPUs"
+    from faircast_plugins.bench import machine_name
+
+    return machine_name(torch.device("cpu"))
 
 
 @functools.lru_cache(maxsize=None)

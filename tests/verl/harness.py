@@ -300,7 +300,6 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
     version one optimizer step (``update_actor``) and ``get_per_tensor_param_delta_shard``. Returns, per version,
     the elements the delta engine would send (summed over every rank), the element total, and the step's
     ``faircast/*`` metrics (the audit, reduced over every rank)."""
-    from verl.utils import tensordict_utils as tu
 
     engine = worker.actor.engine
     seed, _ = engine.get_per_tensor_param()
@@ -312,14 +311,7 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
     changed, metrics = [], []
     total = 0
     for _ in range(case["delta_versions"]):
-        td = data.clone()
-        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
-                             global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
-                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
-        out = worker.update_actor(td)
-        step_metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
-        metrics.append({k: float(v[-1] if isinstance(v, list) else v) for k, v in step_metrics.items()
-                        if k.startswith("faircast/")})
+        metrics.append(_one_update(worker, data, mb))
         entries, _ = engine.get_per_tensor_param_delta_shard()
         n, total = 0, 0
         for slots, _dtype, _counts, idx, _val, _group in entries:
@@ -332,11 +324,23 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
             "lr": engine.optimizer.param_groups[0]["lr"]}
 
 
+def _one_update(worker, data, mb: int) -> dict:
+    """One ``update_actor`` of one mini-batch (one optimizer step, one weight version); its ``faircast/*`` metrics."""
+    from verl.utils import tensordict_utils as tu
+
+    td = data.clone()
+    tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    out = worker.update_actor(td)
+    step_metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
+    return {k: float(v[-1] if isinstance(v, list) else v) for k, v in step_metrics.items() if k.startswith("faircast/")}
+
+
 def export_versions(worker, case: dict, opts: dict, world: int) -> dict:
     """A full export (``update_weights(mode="naive")``) at version 0 and after each of ``export_versions`` steps of
     one optimizer step each (``update_actor``): per version the exported tensors, the full fp32 masters, and the
     ``faircast/*`` metrics ``update_actor`` returned (the audit, reduced over every rank)."""
-    from verl.utils import tensordict_utils as tu
 
     from tests.verl.shims import cpu_platform
 
@@ -346,14 +350,7 @@ def export_versions(worker, case: dict, opts: dict, world: int) -> dict:
     exported, masters, metrics = [], [], []
     for version in range(case["export_versions"] + 1):
         if version:
-            td = data.clone()
-            tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
-                                 global_batch_size=mb, mini_batch_size=mb, epochs=1, seed=0,
-                                 dataloader_kwargs={"shuffle": False}, compute_loss=True)
-            out = worker.update_actor(td)
-            step_metrics = (tu.get(out, "metrics") or {}) if out is not None else {}
-            metrics.append({k: float(v[-1] if isinstance(v, list) else v) for k, v in step_metrics.items()
-                            if k.startswith("faircast/")})
+            metrics.append(_one_update(worker, data, mb))
         cpu_platform.RECEIVED.clear()
         asyncio.run(worker.update_weights(mode="naive"))
         exported.append({k: v.clone() for part in cpu_platform.RECEIVED for k, v in part.items()})

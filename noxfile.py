@@ -4,7 +4,8 @@
     nox -s demo         the main job: standard export vs Fair Cast on a tiny GRPO with a real vLLM engine
     nox -s bench        the rounding engine's throughput against a plain ``.to(torch.bfloat16)``
     nox -s ab           does it help? paired A/B runs (``-- --preset cpu`` for the full CPU reproduction)
-    nox -s bench-step   what ``faircast: true`` costs one training step, per adapter path (``-- --smoke``: structure)
+    nox -s bench -- step   what ``faircast: true`` costs one training step, per adapter path (``-- step --smoke``:
+                        structure; ``-- step zero3 --reps 5``: one path); the ``bench-step`` sessions run it
 
 torch is always pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
 """
@@ -86,7 +87,17 @@ def tests_core(session: nox.Session) -> None:
 
 @nox.session(name="bench", python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side."""
+    """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side.
+
+    ``nox -s bench -- step [PATH] [driver options]``: the per-step benchmark instead (the ``bench-step`` sessions,
+    every path or the one named: trl, fsdp2, zero2, zero3)."""
+    if session.posargs[:1] == ["step"]:
+        rest = list(session.posargs[1:])
+        if rest[:1] and rest[0] in STEP_PATHS:
+            session.notify(f"bench-step(path='{rest[0]}')", rest[1:])
+        else:
+            session.notify("bench-step", rest)
+        return
     _core_install(session)
     session.run("faircast", "bench", *session.posargs, env=MALLOC_ENV)
 

@@ -46,7 +46,7 @@ def _philox_pass(sink, n, ks):
         words = np.empty(4 * kc.BLOCK_GROUPS, np.uint32)
         g_block = b * kc.BLOCK_GROUPS
         for s0 in range(g_block, g_block + kc.BLOCK_GROUPS, kc.STEP_GROUPS):
-            kc._philox_block(words, np.uint64(s0 & 0xFFFFFFFF), np.uint64(s0 >> 32), kc.STEP_GROUPS, ks)
+            kc.philox_block(words, np.uint64(s0 & 0xFFFFFFFF), np.uint64(s0 >> 32), kc.STEP_GROUPS, ks)
         sink[b] = words[b & 1023]
 
 

@@ -41,7 +41,7 @@ def _items(named: Named):
     return named.items() if isinstance(named, Mapping) else named
 
 
-def _audit_key(name: str, offset: int, x: torch.Tensor) -> str:
+def audit_track(name: str, offset: int, x: torch.Tensor) -> str:
     """One audit track per (parameter, shard): a full-tensor cast and a shard cast of one name stay apart."""
     return f"{name}@{offset}+{x.numel()}"
 
@@ -164,7 +164,7 @@ class FairCaster:
                 out=out, indices=indices,
             )
         if self.audit is not None:
-            self.audit.observe(_audit_key(cname, offset, master), self.version, master, q)
+            self.audit.observe(audit_track(cname, offset, master), self.version, master, q)
         return q
 
     def cast_many(self, named: Named, *, offsets: Optional[Iterable[int]] = None) -> Dict[str, torch.Tensor]:
@@ -190,7 +190,7 @@ class FairCaster:
                 outs[i] = q
         if self.audit is not None:
             for n, o, (_, x), q in zip(names, offsets, pairs, outs):
-                self.audit.observe(_audit_key(n, o, x), self.version, x, q)
+                self.audit.observe(audit_track(n, o, x), self.version, x, q)
         return {orig: q for (orig, _), q in zip(pairs, outs)}
 
     def _cast_error_feedback(self, name: str, src: torch.Tensor, offset: int, out: Optional[torch.Tensor]) -> torch.Tensor:

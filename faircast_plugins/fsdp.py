@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .cast import fair_cast_many
-from .caster import FairCaster, _audit_key
+from .caster import FairCaster, audit_track
 from .key import canonical_name
 from .patching import FairCastPatchError, PatchSet
 
@@ -144,7 +144,7 @@ def _cast_into(jobs: List[_Job]) -> None:
         if caster.audit is not None:
             for job, src, x in zip(batch, sources, staged):
                 master = x if src is job.master else _to_device(job.master, device)
-                caster.audit.observe(_audit_key(job.name, job.offset, job.master), caster.version, master, job.out)
+                caster.audit.observe(audit_track(job.name, job.offset, job.master), caster.version, master, job.out)
 
 
 _BATCH = threading.local()  # .active: the FSDP2 fast path is collecting its group's casts

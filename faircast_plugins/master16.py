@@ -13,7 +13,12 @@ A served copy ``q`` of master bits ``u`` holds ``u``'s sign and high 16 bits up 
   even ``h`` (and overflow, NaN), which the comparison at :func:`compact` puts in the exception list.
 
 The exception list holds the flat indices and full fp32 values of every element the rule misses.
-Everything is vectorized torch, in bounded chunks.
+
+This module is the torch reference (vectorized, in bounded chunks). For the stochastic-rule modes the ``cpu`` and
+``triton`` backends run one fused pass each instead (:mod:`faircast_plugins.kernels.cpu_master16`,
+:mod:`faircast_plugins.kernels.triton_master16`): the compaction takes the low halves and counts the misses, the
+recovery computes the cast's noise in place, no probe tensor. Each kernel module is checked against this reference
+once per process before its first use.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .cast import STOCHASTIC_RULE, fair_cast
+from .cast import STOCHASTIC_RULE, fair_cast, resolve_backend
 
 #: modes whose served copy gives the master back from its low 16 bits
 COMPACT_MODES = STOCHASTIC_RULE + ("nearest",)
@@ -88,6 +93,46 @@ def _carry(q_bits, low, c: Compact, start: int, backend: str) -> torch.Tensor:
     return stochastic_carry(low, key=c.key, offset=start, mode=c.mode, backend=backend)
 
 
+_CHECKED: dict = {}  # kernel module name -> None once it matched this reference
+
+
+def _kernels(backend: str, device: torch.device, mode: str):
+    """The fused kernel module for a stochastic-rule ``mode`` on the resolved ``backend``, or None (this reference)."""
+    if mode not in STOCHASTIC_RULE:
+        return None
+    resolved = resolve_backend(backend, device)
+    if resolved == "cpu":
+        from .kernels import cpu_master16 as module
+    elif resolved == "triton":
+        from .kernels import triton_master16 as module
+    else:
+        return None
+    if module.__name__ not in _CHECKED:
+        _self_check(module, device)
+        _CHECKED[module.__name__] = None
+    return module
+
+
+def _self_check(module, device: torch.device) -> None:
+    """The kernels must give back a master cast by the torch reference (odd size, specials included); raises
+    otherwise (for the numba kernels: a stale disk cache of an edited ``cpu_cast.py``)."""
+    master = torch.randn(9 * 1024 + 37, generator=torch.Generator().manual_seed(7)) * 0.02
+    master[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, torch.finfo(torch.float32).max])
+    key = 0x243F6A8885A308D3
+    served = fair_cast(master, key=key, mode="stochastic", backend="torch").float()
+    low16 = torch.empty(master.numel(), dtype=torch.int16, device=device)
+    variants = [{"parallel": False}, {"parallel": True}] if module.__name__.endswith("cpu_master16") else [{}]
+    for extra in variants:
+        bits = served.view(torch.int32).clone().to(device)
+        misses = module.compact(low16, master.view(torch.int32).to(device), **extra)
+        module.recover_(bits, low16, key=key, **extra)
+        bits[5] = master.view(torch.int32)[5]  # the saturating element is an exception: the caller puts it back
+        if misses != 1 or not torch.equal(bits.cpu(), master.view(torch.int32)):
+            raise RuntimeError(f"{module.__name__} does not give back the master of a torch-reference cast: "
+                               "a stale numba cache? delete faircast_plugins/kernels/__pycache__ and retry, or pass "
+                               "backend='torch'")
+
+
 def compact(master: torch.Tensor, served: torch.Tensor, *, key: Optional[int], mode: str, backend: str = "auto",
             low16: Optional[torch.Tensor] = None) -> Compact:
     """The compact form of fp32 ``master`` whose served copy (bf16, or bf16 values in fp32) is ``served``; the served
@@ -100,6 +145,12 @@ def compact(master: torch.Tensor, served: torch.Tensor, *, key: Optional[int], m
     n = x.numel()
     if low16 is None or low16.numel() != n or low16.device != x.device:
         low16 = torch.empty(n, dtype=torch.int16, device=x.device)
+    kernels = _kernels(backend, x.device, mode)
+    if kernels is not None:
+        found = kernels.compact(low16, bits)
+        index = torch.nonzero(stochastic_misses(bits)).reshape(-1) if found else torch.zeros(0, dtype=torch.int64,
+                                                                                             device=x.device)
+        return Compact(low16, index, x[index].clone(), key, mode)
     misses = []
     q = served.detach().reshape(-1)
     for s in range(0, n, CHUNK):
@@ -121,11 +172,15 @@ def recover_(p: torch.Tensor, c: Compact, backend: str = "auto") -> torch.Tensor
     flat = p.detach().view(-1)
     bits = flat.view(torch.int32)
     n = flat.numel()
-    for s in range(0, n, CHUNK):
-        e = min(n, s + CHUNK)
-        qb = bits[s:e]
-        low = unsigned16(c.low16[s:e])
-        bits[s:e] = assemble(qb, low, _carry(qb, low, c, s, backend))
+    kernels = _kernels(backend, flat.device, c.mode)
+    if kernels is not None:
+        kernels.recover_(bits, c.low16, key=c.key)
+    else:
+        for s in range(0, n, CHUNK):
+            e = min(n, s + CHUNK)
+            qb = bits[s:e]
+            low = unsigned16(c.low16[s:e])
+            bits[s:e] = assemble(qb, low, _carry(qb, low, c, s, backend))
     if c.index.numel():
         flat[c.index] = c.value
     return p

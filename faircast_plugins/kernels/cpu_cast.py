@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import platform
 import threading
+from contextlib import contextmanager
 from typing import Sequence
 
 try:
@@ -53,7 +54,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where numba is a
 import numpy as np
 import torch
 
-__all__ = ["cast_many", "BLOCK_GROUPS"]
+__all__ = ["cast_many", "BLOCK_GROUPS", "STEP_GROUPS", "philox_block", "block_range", "round_keys", "numpy_bits",
+           "exclusive"]
 
 # Philox groups per parallel block: 8,192 elements (x 32 KB, noise 16 KB, out 16 KB), one work item per thread.
 # A power of two, so an aligned block never straddles a 2**32 boundary of the group counter.
@@ -125,7 +127,7 @@ def _store_words(noise, t, c0, c1, c2, c3):
 
 
 @njit(inline="always")
-def _philox_block(noise, g_lo, g_hi, m, ks):
+def philox_block(noise, g_lo, g_hi, m, ks):
     """Philox words of groups ``g .. g+m-1`` (``g = g_hi * 2**32 + g_lo``, no carry into ``g_hi`` inside a block)
     into ``noise[0 : 4m]``; two independent chains per iteration. With ``g_hi`` fixed, round 1's ``c0`` and
     round 2's first product are loop-invariant, so LLVM hoists them."""
@@ -340,7 +342,7 @@ def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words, strea
     noise = words.view(np.uint16)  # global element 8*s0 + k uses noise[k]
     for s0 in range(g0, g1, STEP_GROUPS):  # Philox and rounding alternate in steps (see STEP_GROUPS)
         s1 = min(s0 + STEP_GROUPS, g1)
-        _philox_block(words, np.uint64(s0 & 0xFFFFFFFF), np.uint64(s0 >> 32), s1 - s0, ks)
+        philox_block(words, np.uint64(s0 & 0xFFFFFFFF), np.uint64(s0 >> 32), s1 - s0, ks)
         # this step's elements as local indices [lo, hi); differences first, as 8*s1 alone may not fit in int64
         head = 8 * s0 - offset  # in [-7, n)
         lo = max(head, 0)
@@ -349,7 +351,7 @@ def _stochastic_block(out, xu, ks, offset, g_first, g_end, g_block, words, strea
 
 
 @njit(inline="always")
-def _block_range(n, offset):
+def block_range(n, offset):
     g_first = offset >> 3
     g_end = ((offset + n - 1) >> 3) + 1  # offset + n may be 2**63 exactly: no "+ 7"
     b_first = g_first // BLOCK_GROUPS  # blocks are aligned in group space, so none straddles a 2**32 boundary
@@ -358,7 +360,7 @@ def _block_range(n, offset):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _stochastic_kernel(out, xu, ks, offset, streaming):
-    g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
+    g_first, g_end, b_first, n_blocks = block_range(xu.size, offset)
     for b in prange(n_blocks):
         words = np.empty(4 * BLOCK_GROUPS, np.uint32)  # hoisted: one buffer per thread
         _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words, streaming)
@@ -368,7 +370,7 @@ def _stochastic_kernel(out, xu, ks, offset, streaming):
 
 @njit(cache=True, nogil=True)
 def _stochastic_kernel_serial(out, xu, ks, offset, streaming):
-    g_first, g_end, b_first, n_blocks = _block_range(xu.size, offset)
+    g_first, g_end, b_first, n_blocks = block_range(xu.size, offset)
     words = np.empty(4 * BLOCK_GROUPS, np.uint32)
     for b in range(n_blocks):
         _stochastic_block(out, xu, ks, offset, g_first, g_end, (b_first + b) * BLOCK_GROUPS, words, streaming)
@@ -446,7 +448,7 @@ def round_keys(key: int) -> np.ndarray:
                     dtype=np.uint64)
 
 
-def _numpy(t: torch.Tensor, dtype: torch.dtype, np_dtype) -> np.ndarray:
+def numpy_bits(t: torch.Tensor, dtype: torch.dtype, np_dtype) -> np.ndarray:
     """Zero-copy numpy view of a flat contiguous CPU tensor's bits."""
     if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"the cpu backend takes flat contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
@@ -484,6 +486,14 @@ def _use_torch_thread_count() -> None:
         torch.set_num_threads(threads)
 
 
+@contextmanager
+def exclusive():
+    """Hold the kernels' lock (numba's fallback threading layer is not reentrant), on torch's thread count."""
+    with _LOCK:
+        _use_torch_thread_count()
+        yield
+
+
 def cast_many(items: Sequence, mode: str) -> None:
     """Cast every :class:`faircast_plugins.cast.CastItem` in place (``item.out``, and ``item.residual`` for EF).
 
@@ -492,19 +502,18 @@ def cast_many(items: Sequence, mode: str) -> None:
     """
     if mode not in _KERNELS:
         raise ValueError(f"unknown Fair Cast mode {mode!r}")
-    with _LOCK:
-        _use_torch_thread_count()
+    with exclusive():
         for item in items:
             if item.x.dtype != torch.float32 or item.out.dtype != torch.bfloat16 or item.out.numel() != item.x.numel():
                 raise TypeError("the cpu backend casts fp32 x into a bf16 out of the same size")
             kernel = _KERNELS[mode][item.x.numel() >= PARALLEL_MIN_NUMEL]
-            out = _numpy(item.out, torch.int16, np.uint16)
+            out = numpy_bits(item.out, torch.int16, np.uint16)
             if mode in ("stochastic", "sticky"):
-                kernel(out, _numpy(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset,
+                kernel(out, numpy_bits(item.x, torch.int32, np.uint32), round_keys(item.key), item.offset,
                        item.x.numel() >= STREAM_MIN_NUMEL)
             elif mode == "nearest":
-                kernel(out, _numpy(item.x, torch.int32, np.uint32))
+                kernel(out, numpy_bits(item.x, torch.int32, np.uint32))
             else:
                 if item.residual is None or item.residual.dtype != torch.float32 or item.residual.numel() != item.x.numel():
                     raise ValueError("error_feedback needs an fp32 residual the size of x")
-                kernel(out, _numpy(item.x, torch.float32, np.float32), _numpy(item.residual, torch.float32, np.float32))
+                kernel(out, numpy_bits(item.x, torch.float32, np.float32), numpy_bits(item.residual, torch.float32, np.float32))

@@ -1,13 +1,17 @@
 """The 2 B master (faircast_plugins.master16): low 16 bits + exceptions + the served copy give the master back, bit
-for bit, under every backend, on random and special inputs; the probe's carry is the contract's."""
+for bit, under every backend, on random and special inputs; the probe's carry is the contract's.
+
+The fused kernels (numba serial and parallel, Triton under the interpreter) apply the contract's carry
+``(low + noise) >> 16`` at any offset and size; their compaction's low halves and miss count are the reference's;
+master16 uses them only after its self-check and refuses a kernel that disagrees."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from faircast_plugins import derive_key, fair_cast, sticky_key
+from faircast_plugins import derive_key, fair_cast, master16, sticky_key
 from faircast_plugins.cast import available_backends
-from faircast_plugins.master16 import compact, recover, recover_, stochastic_carry, unsigned16
+from faircast_plugins.master16 import compact, low16_of, recover, recover_, stochastic_carry, stochastic_misses, unsigned16
 from faircast_plugins.torch_ref import noise16
 
 SPECIALS = [
@@ -78,3 +82,89 @@ def test_recovery_needs_the_served_key():
     c.key = k1
     assert not _same_bits(recover(q, c, "torch"), x)
     assert unsigned16(c.low16).max() < 65536
+
+
+# -- the fused kernels ---------------------------------------------------------------------------------------
+
+KERNELS = []
+if "cpu" in available_backends():
+    KERNELS += [pytest.param(("cpu", {"parallel": False}), id="numba-serial"),
+                pytest.param(("cpu", {"parallel": True}), id="numba-parallel")]
+if "triton" in available_backends():
+    KERNELS += [pytest.param(("triton", {}), id="triton")]
+
+
+def _module(backend):
+    if backend == "cpu":
+        from faircast_plugins.kernels import cpu_master16 as module
+    else:
+        from faircast_plugins.kernels import triton_master16 as module
+    return module
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("n, offset", [(1, 0), (13, 3), (8 * 1024 * 2 + 29, 0), (8 * 1024 * 2 + 29, 8 * 1024 - 3),
+                                       (5000, 2**32 + 5), (70000, 2**40 - 11)])
+def test_recover_applies_the_contracts_carry(kernel, n, offset):
+    backend, extra = kernel
+    g = torch.Generator().manual_seed(n + offset % 997)
+    served_bits = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int32) << 16  # any sign | hi << 16
+    low16 = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    low16[:4] = torch.tensor([0, -1, -2**15, 2**15 - 1], dtype=torch.int16)[: min(4, n)]
+    key = derive_key(99, 3, "w")
+    low = unsigned16(low16)
+    want = (served_bits - (((low + noise16(key, offset, n)) >> 16) << 16)) | low
+    bits = served_bits.clone()
+    _module(backend).recover_(bits, low16, key=key, offset=offset, **extra)
+    assert torch.equal(bits, want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_compact_takes_the_low_halves_and_counts_the_misses(kernel):
+    backend, extra = kernel
+    bits = _inputs(n=40000, seed=3).view(torch.int32)
+    low16 = torch.full((bits.numel(),), 123, dtype=torch.int16)
+    misses = _module(backend).compact(low16, bits, **extra)
+    assert torch.equal(low16, low16_of(bits))
+    assert misses == int(stochastic_misses(bits).sum()) > 0
+    normal = (torch.randn(30000) * 0.02).view(torch.int32)
+    assert _module(backend).compact(torch.empty(30000, dtype=torch.int16), normal, **extra) == 0
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if b in available_backends()])
+def test_master16_runs_the_fused_kernel_and_matches_the_reference(backend, monkeypatch):
+    x = _inputs(n=20000, seed=5)
+    key = derive_key(7, 2, "w")
+    q = fair_cast(x, key=key, mode="stochastic", backend="torch")
+    module, calls = _module(backend), []
+    for name in ("compact", "recover_"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    fused = compact(x, q, key=key, mode="stochastic", backend=backend)
+    reference = compact(x, q, key=key, mode="stochastic", backend="torch")
+    assert torch.equal(fused.low16, reference.low16) and torch.equal(fused.index, reference.index)
+    p, p_ref = q.float(), q.float()
+    recover_(p, fused, backend)
+    recover_(p_ref, reference, "torch")
+    assert calls == ["compact", "recover_"]  # the torch calls above went to the reference
+    assert _same_bits(p, x) and _same_bits(p_ref, x)
+
+
+def test_a_kernel_that_disagrees_with_the_reference_is_refused(monkeypatch):
+    """Negative control of the one-time self-check: a kernel module whose recovery is off by one carry (what a stale
+    numba cache of a changed Philox would give) is refused before any master is touched."""
+    if "cpu" not in available_backends():
+        pytest.skip("numba is not importable here")
+    module = _module("cpu")
+    real = module.recover_
+
+    def off_by_one_carry(bits, low16, **kwargs):
+        real(bits, low16, **kwargs)
+        bits[100] -= 1 << 16
+
+    monkeypatch.setattr(module, "recover_", off_by_one_carry)
+    monkeypatch.setattr(master16, "_CHECKED", {})
+    x = torch.randn(100) * 0.02
+    q = fair_cast(x, key=5, mode="stochastic", backend="torch")
+    with pytest.raises(RuntimeError, match="does not give back the master.*__pycache__"):
+        compact(x, q, key=5, mode="stochastic", backend="cpu")

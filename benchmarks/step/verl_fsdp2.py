@@ -28,8 +28,6 @@ import torch  # noqa: E402
 MEM_TARGET = 0.0  # B/param for stochastic/sticky (issue #21)
 PATH = "verl FSDP2 worker, 2 gloo ranks (update_actor + update_weights)"
 SEED = 1234
-PROMPT, RESPONSE = 32, 32  # tokens per sequence (the other drivers' 64)
-BATCH = 4  # sequences per rank and mini-batch: two micro-batches of 2
 
 
 def save_model(size: harness.Size, path: str) -> str:
@@ -58,11 +56,14 @@ def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: in
     from tests.verl.harness import compose, cpu_overrides, make_batch
     from tests.verl.shims import cpu_platform
 
-    data = make_batch(BATCH, PROMPT, RESPONSE, size.vocab, seed=1 + torch.distributed.get_rank())
-    mini_batch = BATCH * world  # one optimizer step per update_actor
+    # per rank and step: size.batch sequences (the other drivers' tokens) in two micro-batches (verl's CPU
+    # overrides), each half prompt and half response
+    batch = max(2, size.batch - size.batch % 2)
+    data = make_batch(batch, size.seq // 2, size.seq - size.seq // 2, size.vocab, seed=1 + torch.distributed.get_rank())
+    mini_batch = batch * world  # one optimizer step per update_actor
 
     def make(label: str, mode, audit: bool) -> harness.Arm:
-        overrides = cpu_overrides(model_dir, "fsdp2", BATCH, world) + faircast_override(mode, audit, backend)
+        overrides = cpu_overrides(model_dir, "fsdp2", batch, world) + faircast_override(mode, audit, backend)
         overrides += ["actor_rollout_ref.actor.optim.lr=1e-4"]
         with harness.quiet_logs():
             worker = ActorRolloutRefWorker(compose(overrides).actor_rollout_ref, role="actor_rollout")
@@ -102,7 +103,7 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap(fsdp, "_cast_into", "hook: FSDP all-gather cast site")
     timers.wrap(engine, "advance", "hook: version advance")
     timers.wrap_generator(engine, "cast_export", "hook: export cast")
-    timers.wrap(arm.worker, "update_weights", "worker: update_weights (flag off pays it too)")
+    timers.wrap_async(arm.worker, "update_weights", "worker: update_weights (export, flag off too)")
 
 
 def main() -> int:
@@ -124,7 +125,8 @@ def main() -> int:
         save_model(size, model_dir)
     torch.distributed.barrier()
     params = harness.count_params(harness.build_model(size))
-    harness.header(PATH, size, params, args, extra=f"batch per rank {BATCH}x{PROMPT + RESPONSE} (verl's own)")
+    harness.header(PATH, size, params, args, extra=f"verl: {max(2, size.batch - size.batch % 2)} sequences per rank and step, two "
+                   f"micro-batches (prompt {size.seq // 2} + response {size.seq - size.seq // 2} tokens)")
     arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(model_dir, size, args.backend, args.world),
                               args.backend)
     harness.time_steps(arms, args.reps)

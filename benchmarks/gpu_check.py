@@ -59,7 +59,7 @@ import sys
 import time
 
 # In this order: correctness first, so a run cut short by its time limit still settles it.
-SECTIONS = ("bits", "auto", "stream", "paths", "huge", "export", "regs", "speed", "tiles")
+SECTIONS = ("bits", "auto", "stream", "paths", "master16", "huge", "export", "regs", "speed", "tiles")
 
 _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
@@ -955,6 +955,41 @@ def qwen3_1p7b_shapes(div: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     return shapes + [("model.norm.weight", (d(hidden),))]
 
 
+def master16_section() -> None:
+    """TRL's 2 B masters (issue 21) on this device: the Triton compaction and recovery give every master of a
+    Qwen3-1.7B-shaped model back bit for bit from its served copy (specials included), and what they cost per step
+    next to the cast itself and a plain copy (the fp32 masters' "p <- master")."""
+    from faircast_plugins import master16
+    from faircast_plugins.kernels import triton_master16 as tm
+
+    shapes = qwen3_1p7b_shapes(64 if SMOKE else 1)
+    xs = [torch.randn(shape, device=DEV) * 0.02 for _, shape in shapes]
+    specials = f32([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF, 0x00000001, 0x3F80FFFF])
+    xs[1].view(-1)[: specials.numel()] = specials.to(DEV)
+    keys = [derive_key(42, 3, name) for name, _ in shapes]
+    served = [fair_cast(x, key=k, backend="triton").float() for x, k in zip(xs, keys)]
+    compacts = [master16.compact(x, q, key=k, mode="stochastic", backend="triton") for x, q, k in zip(xs, served, keys)]
+    bad = [shapes[i][0] for i, (x, q, c) in enumerate(zip(xs, served, compacts))
+           if not same(master16.recover_(q.clone(), c, "triton"), x)]
+    check("master16: Triton compact + recover give every master back, bit for bit", not bad, ", ".join(bad[:5]))
+    check("master16: the exceptions are the NaN and the saturating element only",
+          sum(c.index.numel() for c in compacts) == 2, str(sum(c.index.numel() for c in compacts)))
+    total = sum(x.numel() for x in xs)
+    bits = [q.view(torch.int32).view(-1) for q in served]
+    lows = [c.low16 for c in compacts]
+    flat = [x.view(torch.int32).view(-1) for x in xs]
+    copies = [torch.empty_like(x) for x in xs]
+    row = {
+        "recover_ms": time_ms(lambda: [tm.recover_(b, lo, key=k) for b, lo, k in zip(bits, lows, keys)], reps=5),
+        "compact_ms (host wall, one count read per tensor)": wall_ms(
+            lambda: [tm.compact(lo, f) for lo, f in zip(lows, flat)], reps=5),
+        "cast_ms": time_ms(lambda: fair_cast_many(xs, keys=keys, backend="triton"), reps=5),
+        "fp32 copy_ms": time_ms(lambda: [c.copy_(x) for c, x in zip(copies, xs)], reps=5),
+    }
+    RESULTS["master16"] = {"elements": total, **row}
+    say(f"  {len(xs)} tensors, {total:,} elements: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+
+
 def export_section() -> None:
     shapes = qwen3_1p7b_shapes(64 if SMOKE else 1)
     names = [s[0] for s in shapes]
@@ -1011,7 +1046,8 @@ def main() -> int:
                       "default_rows": tc.DEFAULT_ROWS, "default_warps": tc.DEFAULT_NUM_WARPS}
     say(f"gpu_check: {props}; torch {torch.__version__}; triton {triton.__version__}; "
         f"ROWS={tc.DEFAULT_ROWS} warps={tc.DEFAULT_NUM_WARPS}; results in {ARGS.json}")
-    sections = {"bits": bits_section, "auto": auto_section, "stream": stream_section, "paths": paths_section, "huge": huge_section,
+    sections = {"bits": bits_section, "auto": auto_section, "stream": stream_section, "paths": paths_section,
+                "master16": master16_section, "huge": huge_section,
                 "export": export_section, "regs": regs_section, "speed": speed_section, "tiles": tiles_section}
     for name in SECTIONS:
         REPORT.section(name, sections[name])

@@ -35,8 +35,9 @@ _HELP = {
     "faircast_backend": "Fair Cast kernel: 'auto' (Triton on CUDA, numba on CPU), 'torch', 'triton' or 'cpu'.",
     "faircast_master_bytes": (
         "Fair Cast, one process/DDP with stochastic, sticky or nearest: bytes per parameter kept for the fp32 masters. "
-        "2 (default): their low 16 bits beside the served copy, recovered bit for bit around each optimizer step (more "
-        "elementwise passes per step); 4: a full fp32 copy (faster steps, +2 B/param). Same bits either way."
+        "2 (default): their low 16 bits beside the served copy, recovered bit for bit around each optimizer step (one "
+        "fused pass each way, ~4 ns/param per step on one CPU thread); 4: a full fp32 copy (no recovery, +2 B/param "
+        "more). Same bits either way."
     ),
     "faircast_resume_without_state": (
         "Fair Cast: resume from a checkpoint that has no Fair Cast state, starting the error-feedback residuals or "

@@ -50,7 +50,7 @@ class ShadowMasters(Backend):
     def compact_trainable(self) -> bool:
         """Trainable masters kept in 2 B: the served copy gives them back (not with EMA or error feedback, whose served
         copy is not a function of the master alone)."""
-        if getattr(self.trainer.args, "faircast_master_bytes", 2) == 4:  # the user's choice: fp32 masters, faster steps
+        if getattr(self.trainer.args, "faircast_master_bytes", 2) == 4:  # the user's choice: fp32 masters, no recovery
             return False
         return self.shadow and self.caster.mode in COMPACT_MODES and not self.caster.ema_on
 

@@ -80,9 +80,8 @@ def make_arm_factory(size: harness.Size, kernel: str):
         def state_bytes():
             if backend is None:
                 return {}
-            exclude = harness.model_storages(model, optimizer)
-            exclude.update(harness.storages([p.to_local() for p in model.parameters()]))
-            return harness.fair_cast_bytes({"backend": backend}, exclude)
+            # model_storages counts each DTensor parameter's local shard (its storage)
+            return harness.fair_cast_bytes({"backend": backend}, harness.model_storages(model, optimizer))
 
         arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
         arm.backend = backend

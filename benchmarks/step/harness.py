@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -380,34 +381,26 @@ class Timers:
                                  f"for {label!r}: update the benchmark's hooks")
         timers = self
 
+        def add(start: float) -> None:
+            timers.total[label] = timers.total.get(label, 0.0) + time.perf_counter() - start
+
         @functools.wraps(original)
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                timers.total[label] = timers.total.get(label, 0.0) + time.perf_counter() - start
-
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, original))
-
-    def wrap_async(self, owner, attr: str, label: str) -> None:
-        """Time a coroutine function's whole run (from its first step to its result), not the coroutine's creation."""
-        original = getattr(owner, attr, None)
-        if original is None:
-            raise AttributeError(f"step benchmark: {getattr(owner, '__name__', owner)!r} has no coroutine {attr!r} "
-                                 f"to time for {label!r}: update the benchmark's hooks")
-        timers = self
+                add(start)
 
         @functools.wraps(original)
-        async def timed(*args, **kwargs):
+        async def timed_coroutine(*args, **kwargs):  # its whole run, not the coroutine's creation
             start = time.perf_counter()
             try:
                 return await original(*args, **kwargs)
             finally:
-                timers.total[label] = timers.total.get(label, 0.0) + time.perf_counter() - start
+                add(start)
 
-        setattr(owner, attr, timed)
+        setattr(owner, attr, timed_coroutine if inspect.iscoroutinefunction(original) else timed)
         self._undo.append((owner, attr, original))
 
     def wrap_generator(self, owner, attr: str, label: str) -> None:

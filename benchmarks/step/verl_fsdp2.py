@@ -85,9 +85,8 @@ def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: in
             state = state_of(engine)
             if state is None:
                 return {}
-            exclude = harness.model_storages(engine.module, engine.optimizer)
-            exclude.update(harness.storages([getattr(p, "to_local", lambda: p)() for p in engine.module.parameters()]))
-            return harness.fair_cast_bytes({"engine state": state}, exclude)
+            # model_storages counts a DTensor parameter's local shard (its storage)
+            return harness.fair_cast_bytes({"engine state": state}, harness.model_storages(engine.module, engine.optimizer))
 
         arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
         arm.worker = worker
@@ -103,7 +102,7 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap(fsdp, "_cast_into", "hook: FSDP all-gather cast site")
     timers.wrap(engine, "advance", "hook: version advance")
     timers.wrap_generator(engine, "cast_export", "hook: export cast")
-    timers.wrap_async(arm.worker, "update_weights", "worker: update_weights (export, flag off too)")
+    timers.wrap(arm.worker, "update_weights", "worker: update_weights (export, flag off too)")
 
 
 def main() -> int:

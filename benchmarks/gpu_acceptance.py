@@ -14,9 +14,10 @@ A rerun of some parts: ``--parts trl,export --budget-s 200``.
 Parts, in this order (correctness first, the kernel's speed last), each in its own process (a CUDA fault or a
 framework's process-wide patch stays in it), each under its own cap and the whole under ``--budget-s``:
 
-  kernel     gpu_check.py bits, auto, stream, paths, huge: the Triton kernel's bits against the CPU reference,
-             backend "auto" on CUDA (findings 7, 11), a non-default stream, the fixes of docs/gpu-paths.md (DTensor
-             refused, audit without host syncs, cast_many over two devices), the aligned branch and error feedback
+  kernel     gpu_check.py bits, auto, stream, paths, master16, huge: the Triton kernel's bits against the CPU
+             reference, backend "auto" on CUDA (findings 7, 11), a non-default stream, the fixes of docs/gpu-paths.md
+             (DTensor refused, audit without host syncs, cast_many over two devices), TRL's 2 B masters (Triton
+             compaction and recovery, bit-exact, and their cost per step), the aligned branch and error feedback
              above 2**31 elements
   fsdp2      gpu_adapters.py fsdp2: FSDP2's cast site, NCCL, world size 1, against its flag-off control
   deepspeed  gpu_adapters.py zero2, zero3: DeepSpeed's copy-back, NCCL, world size 1, against flag off
@@ -60,7 +61,7 @@ class Part:
 
 
 PARTS = (
-    Part("kernel", "gpu_check.py", ("--only", "bits,auto,stream,paths,huge"), ("triton",), 180),
+    Part("kernel", "gpu_check.py", ("--only", "bits,auto,stream,paths,master16,huge"), ("triton",), 180),
     Part("fsdp2", "gpu_adapters.py", ("--only", "fsdp2"), (), 90),
     Part("deepspeed", "gpu_adapters.py", ("--only", "zero2,zero3"), ("deepspeed", "pydantic"), 150),
     Part("trl", "gpu_adapters.py", ("--only", "trl"), ("trl", "datasets"), 150),

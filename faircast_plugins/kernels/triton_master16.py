@@ -20,19 +20,26 @@ _INTERPRETER_ROWS = 1 << 12  # the interpreter pays per program: few, large tile
 
 
 @triton.jit
-def _recover_kernel(bits_ptr, low_ptr, numel, offset, k0_in, k1_in, ROWS: tl.constexpr, N_ROUNDS: tl.constexpr):
+def _recover_kernel(bits_ptr, low_ptr, meta_ptr, ROWS: tl.constexpr, N_ROUNDS: tl.constexpr):
+    # numel, offset and the key halves come from an int64 tensor, as in triton_cast: a plain int argument would be
+    # typed by its value (i32 or i64, and 1 becomes a compile-time constant) and compiled once per kind
+    numel = tl.load(meta_ptr + 0)
+    offset = tl.load(meta_ptr + 1)
+    k0 = tl.load(meta_ptr + 2).to(tl.uint32)
+    k1 = tl.load(meta_ptr + 3).to(tl.uint32)
     pid = tl.program_id(0).to(tl.int64)
     groups = (offset >> 3) + pid * ROWS + tl.arange(0, ROWS)
     local = groups[:, None] * 8 + tl.arange(0, 8)[None, :] - offset
     mask = (local >= 0) & (local < numel)
     q = tl.load(bits_ptr + local, mask=mask, other=0).to(tl.uint32, bitcast=True)
     low = tl.load(low_ptr + local, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-    carry = (low + _noise16(groups, k0_in.to(tl.uint32), k1_in.to(tl.uint32), N_ROUNDS)) >> 16
+    carry = (low + _noise16(groups, k0, k1, N_ROUNDS)) >> 16
     tl.store(bits_ptr + local, ((q - (carry << 16)) | low).to(tl.int32, bitcast=True), mask=mask)
 
 
 @triton.jit
-def _compact_kernel(low_ptr, bits_ptr, misses_ptr, numel, BLOCK: tl.constexpr):
+def _compact_kernel(low_ptr, bits_ptr, misses_ptr, meta_ptr, BLOCK: tl.constexpr):
+    numel = tl.load(meta_ptr + 0)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     u = tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
@@ -40,6 +47,13 @@ def _compact_kernel(low_ptr, bits_ptr, misses_ptr, numel, BLOCK: tl.constexpr):
     mag = u & 0x7FFFFFFF
     miss = (mag > 0x7F7F0000) & (mag != 0x7F800000) & mask
     tl.atomic_add(misses_ptr, tl.sum(miss.to(tl.int32), axis=0))
+
+
+def _meta(values, device: torch.device) -> torch.Tensor:
+    """The kernels' int64 scalars on ``device``; on CUDA a pinned, asynchronous copy (no host wait)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def _check(bits: torch.Tensor, low16: torch.Tensor) -> None:
@@ -56,10 +70,15 @@ def recover_(bits: torch.Tensor, low16: torch.Tensor, *, key: int, offset: int =
     n = bits.numel()
     if not n:
         return
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**64:
+        raise ValueError(f"key must be an int in [0, 2**64), got {key!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + n > 2**63:
+        raise ValueError(f"offset must be an int in [0, 2**63 - numel], got {offset!r}")
     rows = _INTERPRETER_ROWS if interpreting() else DEFAULT_ROWS
     groups = ((offset + n + 7) >> 3) - (offset >> 3)
-    _launch(_recover_kernel, (triton.cdiv(groups, rows),), bits, low16, n, offset, key & M32, key >> 32,
-            ROWS=rows, N_ROUNDS=N_ROUNDS, num_warps=DEFAULT_NUM_WARPS)
+    meta = _meta([n, offset, key & M32, key >> 32], bits.device)
+    _launch(_recover_kernel, (triton.cdiv(groups, rows),), bits, low16, meta, ROWS=rows, N_ROUNDS=N_ROUNDS,
+            num_warps=DEFAULT_NUM_WARPS)
 
 
 def compact(low16: torch.Tensor, bits: torch.Tensor) -> int:
@@ -69,6 +88,6 @@ def compact(low16: torch.Tensor, bits: torch.Tensor) -> int:
     misses = torch.zeros(1, dtype=torch.int32, device=bits.device)
     if n:
         block = 1 << 16 if interpreting() else 2048
-        _launch(_compact_kernel, (triton.cdiv(n, block),), low16, bits, misses, n, BLOCK=block,
+        _launch(_compact_kernel, (triton.cdiv(n, block),), low16, bits, misses, _meta([n], bits.device), BLOCK=block,
                 num_warps=DEFAULT_NUM_WARPS)
     return int(misses.item())

@@ -102,16 +102,20 @@ def _module(backend):
     return module
 
 
+#: a derived key; halves equal to 1 (a plain int 1 is a compile-time constant to Triton); both halves >= 2**31
+KEYS = [derive_key(99, 3, "w"), (1 << 32) | 1, 0xFFFFFFFF_FFFFFFFE]
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("key", KEYS, ids=["derived", "halves-1", "halves-high"])
 @pytest.mark.parametrize("n, offset", [(1, 0), (13, 3), (8 * 1024 * 2 + 29, 0), (8 * 1024 * 2 + 29, 8 * 1024 - 3),
                                        (5000, 2**32 + 5), (70000, 2**40 - 11)])
-def test_recover_applies_the_contracts_carry(kernel, n, offset):
+def test_recover_applies_the_contracts_carry(kernel, key, n, offset):
     backend, extra = kernel
     g = torch.Generator().manual_seed(n + offset % 997)
     served_bits = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int32) << 16  # any sign | hi << 16
     low16 = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
     low16[:4] = torch.tensor([0, -1, -2**15, 2**15 - 1], dtype=torch.int16)[: min(4, n)]
-    key = derive_key(99, 3, "w")
     low = unsigned16(low16)
     want = (served_bits - (((low + noise16(key, offset, n)) >> 16) << 16)) | low
     bits = served_bits.clone()
@@ -137,6 +141,7 @@ def test_master16_runs_the_fused_kernel_and_matches_the_reference(backend, monke
     key = derive_key(7, 2, "w")
     q = fair_cast(x, key=key, mode="stochastic", backend="torch")
     module, calls = _module(backend), []
+    master16._kernels(backend, torch.device("cpu"), "stochastic")  # its one-time self-check, before the spies
     for name in ("compact", "recover_"):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
@@ -150,12 +155,14 @@ def test_master16_runs_the_fused_kernel_and_matches_the_reference(backend, monke
     assert _same_bits(p, x) and _same_bits(p_ref, x)
 
 
-def test_a_kernel_that_disagrees_with_the_reference_is_refused(monkeypatch):
+FUSED = [b for b in ("cpu", "triton") if b in available_backends()]
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_a_kernel_that_disagrees_with_the_reference_is_refused(backend, monkeypatch):
     """Negative control of the one-time self-check: a kernel module whose recovery is off by one carry (what a stale
     numba cache of a changed Philox would give) is refused before any master is touched."""
-    if "cpu" not in available_backends():
-        pytest.skip("numba is not importable here")
-    module = _module("cpu")
+    module = _module(backend)
     real = module.recover_
 
     def off_by_one_carry(bits, low16, **kwargs):
@@ -163,8 +170,25 @@ def test_a_kernel_that_disagrees_with_the_reference_is_refused(monkeypatch):
         bits[100] -= 1 << 16
 
     monkeypatch.setattr(module, "recover_", off_by_one_carry)
-    monkeypatch.setattr(master16, "_CHECKED", {})
+    monkeypatch.setattr(master16, "_CHECKED", set())
     x = torch.randn(100) * 0.02
     q = fair_cast(x, key=5, mode="stochastic", backend="torch")
     with pytest.raises(RuntimeError, match="does not give back the master.*__pycache__"):
-        compact(x, q, key=5, mode="stochastic", backend="cpu")
+        compact(x, q, key=5, mode="stochastic", backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + FUSED)
+def test_low_halves_of_another_tensor_are_refused(backend):
+    """numba reads raw buffers: a compact master of another size (or dtype) is refused on every backend, not read out
+    of bounds or applied to the wrong elements."""
+    x = torch.randn(1000) * 0.02
+    key = derive_key(7, 1, "w")
+    q = fair_cast(x, key=key, mode="stochastic", backend="torch")
+    c = compact(x, q, key=key, mode="stochastic", backend=backend)
+    for wrong in (c.low16[:999], torch.cat([c.low16, c.low16[:1]]), c.low16.to(torch.int32)):
+        bad = master16.Compact(wrong, c.index, c.value, c.key, c.mode)
+        with pytest.raises(ValueError, match="belongs to another tensor"):
+            recover_(q.float(), bad, backend)
+    if backend != "torch":
+        with pytest.raises(ValueError, match="int32 bits and int16 low halves|one size"):
+            _module(backend).recover_(q.float().view(torch.int32), c.low16[:999], key=key)

@@ -130,11 +130,7 @@ def main() -> int:
     path = f"DeepSpeed ZeRO-{args.stage}, {args.world} gloo ranks (TRL and OpenRLHF: apply_deepspeed_patch)"
     params = harness.count_params(harness.build_model(size))
     harness.header(path, size, params, args, extra=f"deepspeed {deepspeed.__version__}")
-    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(args.stage, size, args.backend),
-                              args.backend)
-    harness.time_steps(arms, args.reps)
-    harness.breakdown(arms, args.breakdown_reps, hooks)
-    harness.report(path, arms, params, args, mem_target=MEM_TARGET)
+    harness.measure(path, make_arm_factory(args.stage, size, args.backend), hooks, params, args, mem_target=MEM_TARGET)
     torch.distributed.destroy_process_group()
     return 0
 

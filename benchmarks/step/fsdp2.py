@@ -110,10 +110,7 @@ def main() -> int:
     torch.distributed.init_process_group("gloo")
     params = harness.count_params(harness.build_model(size))
     harness.header(PATH, size, params, args)
-    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(size, args.backend), args.backend)
-    harness.time_steps(arms, args.reps)
-    harness.breakdown(arms, args.breakdown_reps, hooks)
-    harness.report(PATH, arms, params, args, mem_target=MEM_TARGET)
+    harness.measure(PATH, make_arm_factory(size, args.backend), hooks, params, args, mem_target=MEM_TARGET)
     torch.distributed.destroy_process_group()
     return 0
 

@@ -605,6 +605,15 @@ def report(path: str, arms: List[Arm], params: int, args, *, mem_target: Optiona
     return result
 
 
+def measure(path: str, make: Callable[[str, Optional[str], bool], Arm], hooks: Callable[[Timers, Arm], None],
+            params: int, args, *, mem_target: Optional[float]) -> dict:
+    """A driver's whole run after its setup: build the chosen arms, time them, the instrumented steps, the table."""
+    arms = build_arms(chosen_arms(args), make, args.backend)
+    time_steps(arms, args.reps)
+    breakdown(arms, args.breakdown_reps, hooks)
+    return report(path, arms, params, args, mem_target=mem_target)
+
+
 @contextmanager
 def quiet_logs():
     import logging

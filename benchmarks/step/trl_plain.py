@@ -117,12 +117,8 @@ def main() -> int:
         del model
         path = f"{PATH}, {args.master_bytes} B masters"
         harness.header(path, size, params, args)
-        arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(tmp, tmp, size, args.backend,
-                                                                            args.master_bytes),
-                                  args.backend)
-        harness.time_steps(arms, args.reps)
-        harness.breakdown(arms, args.breakdown_reps, hooks)
-        harness.report(path, arms, params, args, mem_target=MEM_TARGET)
+        harness.measure(path, make_arm_factory(tmp, tmp, size, args.backend, args.master_bytes), hooks, params, args,
+                        mem_target=MEM_TARGET)
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 
@@ -31,11 +32,11 @@ SEED = 1234
 
 
 def save_model(size: harness.Size, path: str) -> str:
-    """The harness's random Qwen3 (fp32) and a word-level tokenizer of its vocabulary, saved under ``path``."""
-    from tests.verl import tiny_model
+    """The harness's random Qwen3 (fp32) and the doctor's tiny tokenizer (as trl_plain.py), saved under ``path``."""
+    from faircast_plugins.doctor.tiny import build_tokenizer
 
     if not os.path.exists(os.path.join(path, "config.json")):
-        tiny_model.save_tokenizer(path, vocab=size.vocab)
+        build_tokenizer(path)
         harness.build_model(size).save_pretrained(path)
     return path
 
@@ -109,7 +110,8 @@ def main() -> int:
     harness.reexec_for_rss()
     parser = harness.arguments(__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="local gloo ranks (default 2)")
-    parser.add_argument("--model-dir", default="", help="where the checkpoint is saved (default: a temp dir)")
+    parser.add_argument("--model-dir", default="", help="where the checkpoint is saved and kept (default: a temp dir "
+                        "of this run, removed at its end)")
     args = parser.parse_args()
     harness.as_ranks(args.world)
     size = harness.settle(args)
@@ -119,18 +121,21 @@ def main() -> int:
     cpu_platform.install()
     import verl  # noqa: F401  (loads the faircast verl.plugins entry point, as in every verl process)
 
-    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"faircast_step_qwen3_{size.hidden}_{size.layers}")
+    # one directory per run, named by the run's rendezvous port (every rank knows it), unless one is given
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"faircast_step_verl_{os.environ['MASTER_PORT']}")
     if torch.distributed.get_rank() == 0:
         save_model(size, model_dir)
     torch.distributed.barrier()
     params = harness.count_params(harness.build_model(size))
     harness.header(PATH, size, params, args, extra=f"verl: {max(2, size.batch - size.batch % 2)} sequences per rank and step, two "
                    f"micro-batches (prompt {size.seq // 2} + response {size.seq - size.seq // 2} tokens)")
-    arms = harness.build_arms(harness.chosen_arms(args), make_arm_factory(model_dir, size, args.backend, args.world),
-                              args.backend)
-    harness.time_steps(arms, args.reps)
-    harness.breakdown(arms, args.breakdown_reps, hooks)
-    harness.report(PATH, arms, params, args, mem_target=MEM_TARGET)
+    try:
+        harness.measure(PATH, make_arm_factory(model_dir, size, args.backend, args.world), hooks, params, args,
+                        mem_target=MEM_TARGET)
+    finally:
+        torch.distributed.barrier()
+        if not args.model_dir and torch.distributed.get_rank() == 0:
+            shutil.rmtree(model_dir, ignore_errors=True)
     torch.distributed.destroy_process_group()
     return 0
 

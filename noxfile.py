@@ -168,7 +168,8 @@ def bench_step(session: nox.Session, path: str) -> None:
     else:
         _trl_install(session)  # TRL, DeepSpeed 0.19.8 and torch: every other driver runs in it
     session.run("python", *STEP_PATHS[path], *session.posargs,
-                env={**OFFLINE_ENV, **VERL_ENV, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+                env={**OFFLINE_ENV, **(VERL_ENV if path == "verl" else {}), "OMP_NUM_THREADS": "1",
+                     "DS_ACCELERATOR": "cpu"})
 
 
 # verl 0.9.1's own extras pin CUDA builds (torch 2.11, vllm 0.24); on CPU the verified set is verl --no-deps plus

@@ -123,8 +123,7 @@ def _self_check(module, device: torch.device) -> None:
     key = 0x243F6A8885A308D3
     served = fair_cast(master, key=key, mode="stochastic", backend="torch").float()
     low16 = torch.empty(master.numel(), dtype=torch.int16, device=device)
-    variants = [{"parallel": False}, {"parallel": True}] if module.__name__.endswith("cpu_master16") else [{}]
-    for extra in variants:
+    for extra in getattr(module, "SELF_CHECK_VARIANTS", ({},)):
         bits = served.view(torch.int32).clone().to(device)
         misses = module.compact(low16, master.view(torch.int32).to(device), **extra)
         module.recover_(bits, low16, key=key, **extra)

@@ -50,11 +50,10 @@ def faircast_override(mode, audit: bool, backend: str) -> list:
 
 
 def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: int):
-    from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from faircast_plugins.verl.engine import state_of
-    from tests.verl.harness import compose, cpu_overrides, make_batch
+    from tests.verl.harness import compose, cpu_overrides, make_batch, one_update
     from tests.verl.shims import cpu_platform
 
     # per rank and step: size.batch sequences (the other drivers' tokens) in two micro-batches (verl's CPU
@@ -73,11 +72,7 @@ def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: in
         params = sum(p.numel() for p in engine.module.parameters())
 
         def step() -> None:
-            td = data.clone()
-            tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
-                                 global_batch_size=mini_batch, mini_batch_size=mini_batch, epochs=1, seed=0,
-                                 dataloader_kwargs={"shuffle": False}, compute_loss=True)
-            worker.update_actor(td)
+            one_update(worker, data, mini_batch)
             asyncio.run(worker.update_weights(mode="naive"))
             assert cpu_platform.RECEIVED, "update_weights did not reach the rollout"
             cpu_platform.RECEIVED.clear()

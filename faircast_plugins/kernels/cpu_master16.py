@@ -19,15 +19,14 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from .cpu_cast import _FAST_LIMIT as _SATURATES  # finite magnitudes above it may saturate in the cast
+from .cpu_cast import _INF, _MAG, _U16, _U32  # the rounding rule's constants, one definition for both kernels
 from .cpu_cast import (BLOCK_GROUPS, PARALLEL_MIN_NUMEL, STEP_GROUPS, block_range, exclusive, numpy_bits,
                        philox_block, round_keys)
 
-_U32 = np.uint32
-_U16 = np.uint32(16)
 _LOW = np.uint32(0xFFFF)
-_MAG = np.uint32(0x7FFFFFFF)
-_INF = np.uint32(0x7F800000)
-_SATURATES = np.uint32(0x7F7F0000)
+#: master16's one-time self-check runs each of these (serial and parallel kernels: they are compiled apart)
+SELF_CHECK_VARIANTS = ({"parallel": False}, {"parallel": True})
 
 
 @njit(inline="always")

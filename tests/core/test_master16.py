@@ -86,6 +86,7 @@ def test_recovery_needs_the_served_key():
 
 # -- the fused kernels ---------------------------------------------------------------------------------------
 
+FUSED = [b for b in ("cpu", "triton") if b in available_backends()]
 KERNELS = []
 if "cpu" in available_backends():
     KERNELS += [pytest.param(("cpu", {"parallel": False}), id="numba-serial"),
@@ -135,7 +136,7 @@ def test_compact_takes_the_low_halves_and_counts_the_misses(kernel):
     assert _module(backend).compact(torch.empty(30000, dtype=torch.int16), normal, **extra) == 0
 
 
-@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if b in available_backends()])
+@pytest.mark.parametrize("backend", FUSED)
 def test_master16_runs_the_fused_kernel_and_matches_the_reference(backend, monkeypatch):
     x = _inputs(n=20000, seed=5)
     key = derive_key(7, 2, "w")
@@ -153,9 +154,6 @@ def test_master16_runs_the_fused_kernel_and_matches_the_reference(backend, monke
     recover_(p_ref, reference, "torch")
     assert calls == ["compact", "recover_"]  # the torch calls above went to the reference
     assert _same_bits(p, x) and _same_bits(p_ref, x)
-
-
-FUSED = [b for b in ("cpu", "triton") if b in available_backends()]
 
 
 @pytest.mark.parametrize("backend", FUSED)

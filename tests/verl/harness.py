@@ -311,7 +311,7 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
     changed, metrics = [], []
     total = 0
     for _ in range(case["delta_versions"]):
-        metrics.append(_one_update(worker, data, mb))
+        metrics.append(one_update(worker, data, mb))
         entries, _ = engine.get_per_tensor_param_delta_shard()
         n, total = 0, 0
         for slots, _dtype, _counts, idx, _val, _group in entries:
@@ -324,7 +324,7 @@ def delta_versions(worker, case: dict, opts: dict, world: int) -> dict:
             "lr": engine.optimizer.param_groups[0]["lr"]}
 
 
-def _one_update(worker, data, mb: int) -> dict:
+def one_update(worker, data, mb: int) -> dict:
     """One ``update_actor`` of one mini-batch (one optimizer step, one weight version); its ``faircast/*`` metrics."""
     from verl.utils import tensordict_utils as tu
 
@@ -350,7 +350,7 @@ def export_versions(worker, case: dict, opts: dict, world: int) -> dict:
     exported, masters, metrics = [], [], []
     for version in range(case["export_versions"] + 1):
         if version:
-            metrics.append(_one_update(worker, data, mb))
+            metrics.append(one_update(worker, data, mb))
         cpu_platform.RECEIVED.clear()
         asyncio.run(worker.update_weights(mode="naive"))
         exported.append({k: v.clone() for part in cpu_platform.RECEIVED for k, v in part.items()})

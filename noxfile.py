@@ -246,3 +246,16 @@ def tests_openrlhf(session: nox.Session) -> None:
     session.install("peft", "torchdata", "pylatexenc", "accelerate", "aiohttp", "pillow")
     session.install("-e", ".")
     _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session(name="tests-megatron", python=PYTHON, tags=["tests"])
+def tests_megatron(session: nox.Session) -> None:
+    """The Megatron-core cast-site patch (distributed and Float16 optimizers; DP, TP, PP, EP MoE; gloo on CPU).
+
+    megatron-core 0.16.1 is the newest on PyPI and imports without TransformerEngine or apex; tests/megatron/
+    stands in for the few CUDA-only calls it makes on CPU.
+    """
+    session.install(TORCH)
+    session.install("megatron-core==0.16.1", "pytest", "numpy")
+    session.install("-e", ".")
+    _pytest(session, "tests/megatron")

@@ -1,0 +1,261 @@
+"""One torchrun launch that trains a tiny Megatron-core GPT through several layouts and checks the served bf16 params.
+
+    torchrun --nproc-per-node N tests/megatron/worker.py OUT_JSON SCENARIO [SCENARIO ...]
+
+Each scenario (names in :data:`SCENARIOS`) re-initialises Megatron's model parallelism in the same gloo process
+group, builds the model and optimizer, trains 2 steps and checks, from the full (TP=1) fp32 masters and the full
+served bf16 params gathered over every rank, that the served copy is ``fair_cast(master)`` per ROUNDING.md
+(Fair Cast on) or round-to-nearest (off). Rank 0 writes ``{scenario: result}`` to OUT_JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.megatron import cpu_shims  # noqa: E402
+
+cpu_shims.install()
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+
+from faircast_plugins import FairCastConfig, FairCaster  # noqa: E402
+from faircast_plugins.cast import fair_cast  # noqa: E402
+from faircast_plugins.key import derive_key  # noqa: E402
+from faircast_plugins.megatron import apply_megatron_patch, remove_megatron_patch  # noqa: E402
+
+SEED = 1234
+VOCAB, SEQ, MBS = 96, 16, 2
+
+# name -> layout and options
+SCENARIOS = {
+    "do": dict(), "f16": dict(distributed=False), "do_off": dict(faircast=False), "f16_off": dict(distributed=False, faircast=False),
+    "overlap": dict(overlap=True), "tp2": dict(tp=2), "pp2": dict(pp=2, layers=4), "ep2": dict(ep=2, experts=4),
+    "tp2_off": dict(tp=2, faircast=False), "ef_resume": dict(mode="error_feedback", resume=True),
+    "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
+}
+
+
+def build(opts):
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=opts.get("tp", 1), pipeline_model_parallel_size=opts.get("pp", 1),
+                                 expert_model_parallel_size=opts.get("ep", 1))
+    model_parallel_cuda_manual_seed(SEED)
+    torch.manual_seed(SEED)
+    experts = opts.get("experts")
+    config = TransformerConfig(
+        num_layers=opts.get("layers", 2), hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=opts.get("tp", 1),
+        pipeline_model_parallel_size=opts.get("pp", 1), expert_model_parallel_size=opts.get("ep", 1),
+        num_moe_experts=experts, moe_router_topk=2 if experts else 2, moe_token_dispatcher_type="alltoall",
+        moe_ffn_hidden_size=48 if experts else None, moe_aux_loss_coeff=0.0,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts), vocab_size=VOCAB,
+        max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=opts.get("distributed", True),
+        overlap_param_gather=opts.get("overlap", False), overlap_grad_reduce=opts.get("overlap", False),
+        bucket_size=3000 if opts.get("overlap") else None,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model))
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                                 use_distributed_optimizer=opts.get("distributed", True), clip_grad=1.0,
+                                 overlap_param_gather=opts.get("overlap", False))
+    for key, value in opts.get("opt_config", {}).items():
+        setattr(opt_config, key, value)
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    return config, model, optimizer
+
+
+def train_step(config, model, optimizer, step):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1)
+    labels = torch.roll(tokens, -1, dims=1)
+
+    def forward_step(data_iterator, m):
+        out = m(tokens, position_ids, None, labels=labels)
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+                                num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+    return optimizer.step()
+
+
+def sync_params(model, optimizer):
+    """The served params after the step: finish any overlapped all-gather."""
+    if optimizer.config.overlap_param_gather:
+        model.start_param_sync(force_sync=True)
+
+
+def full_master_and_served(model, optimizer):
+    """``{local name: (param, full TP-local fp32 master, served bf16)}`` on this rank (masters summed over DP)."""
+    out = {}
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    masters = {}
+    for opt in subs:
+        if type(opt).__name__ == "DistributedOptimizer":
+            for mgroup, sgroup in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+                for p, shard in zip(mgroup, sgroup):
+                    r = opt._get_model_param_range_map(p)["param"]
+                    full = torch.zeros(p.numel(), dtype=torch.float32)
+                    full[r.start:r.end] = shard.detach().view(-1)
+                    dist.all_reduce(full, group=opt.data_parallel_group)
+                    masters[id(p)] = full.view(p.shape)
+        else:
+            for mgroup, fgroup in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for p, main in zip(mgroup, fgroup):
+                    masters[id(p)] = main.detach().clone()
+    for name, p in model.module.named_parameters():
+        if id(p) in masters:
+            out[name] = (p, masters[id(p)], p.detach().clone())
+    return out
+
+
+def tp_full(t, p, expert):
+    """The full (TP=1) tensor of a TP-local ``t``, gathered over the TP group (Megatron's strided split undone)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return t
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    d, stride = p.partition_dim, getattr(p, "partition_stride", 1)
+    chunks = [part.chunk(stride, dim=d) for part in parts]
+    return torch.cat([chunks[r][c] for c in range(stride) for r in range(world)], dim=d)
+
+
+def check(model, optimizer, fc, version, faircast):
+    """Compare every served param with fair_cast / round-to-nearest of its full master; names across ranks."""
+    mismatches, differs_from_rtn, count, names = [], 0, 0, {}
+    for name, (p, master, served) in full_master_and_served(model, optimizer).items():
+        expert = not getattr(p, "allreduce", True)
+        full_master, full_served = tp_full(master, p, expert), tp_full(served, p, expert)
+        rtn = full_master.to(torch.bfloat16)
+        if faircast:
+            key = fc.keys[id(p)]
+            names[key.name] = list(full_master.shape)
+            if fc.caster.mode == "error_feedback":
+                want = None  # checked by the resume comparison
+            else:
+                want = fair_cast(full_master.contiguous(), key=derive_key(SEED, version, key.name), mode=fc.caster.mode)
+        else:
+            want = rtn
+        count += 1
+        if want is not None and not torch.equal(want.view(torch.int16), full_served.view(torch.int16)):
+            mismatches.append(name)
+        differs_from_rtn += int(not torch.equal(rtn.view(torch.int16), full_served.view(torch.int16)))
+    return {"params": count, "mismatches": mismatches, "differs_from_rtn": differs_from_rtn, "names": names}
+
+
+def coords():
+    return {"pp": ps.get_pipeline_model_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_rank()}
+
+
+def served_bits(model):
+    return {n: p.detach().clone() for n, p in model.module.named_parameters() if p.dtype == torch.bfloat16}
+
+
+def run(name):
+    opts = SCENARIOS[name]
+    faircast = opts.get("faircast", True)
+    config, model, optimizer = build(opts)
+    fc = None
+    cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0))
+    if faircast:
+        fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+    results = [train_step(config, model, optimizer, s) for s in range(2)]
+    sync_params(model, optimizer)
+    out = {"steps_ok": all(r[0] for r in results), "version": fc.caster.version if fc else None,
+           "check": check(model, optimizer, fc, 2, faircast), "coords": coords()}
+    if opts.get("resume"):
+        out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc)
+    if fc is not None:
+        out["elements_cast"] = fc.last_step_elements
+        remove_megatron_patch(optimizer)
+    return out
+
+
+def resume_check(opts, cfg, config, model, optimizer, fc):
+    """Save after 2 steps, take a 3rd; rebuild, load, take the 3rd again: the served bits must be equal."""
+    tmp = os.path.join(tempfile.gettempdir(), f"faircast_megatron_{os.environ.get('MASTER_PORT', '0')}")
+    model_state = {k: v.clone() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    opt_state = optimizer.state_dict()
+    param_state = optimizer.get_parameter_state_dp_zero() if hasattr(optimizer, "get_parameter_state_dp_zero") else None
+    if dist.get_rank() == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    fc.save(tmp)
+    dist.barrier()
+    train_step(config, model, optimizer, 2)
+    sync_params(model, optimizer)
+    want = served_bits(model)
+    remove_megatron_patch(optimizer)
+    # a fresh run: same layout, the checkpoint's model and optimizer state, then Fair Cast's state
+    config2, model2, optimizer2 = build(opts)
+    model2.module.load_state_dict(model_state, strict=False)
+    optimizer2.load_state_dict(opt_state)
+    if param_state is not None:
+        optimizer2.load_parameter_state_from_dp_zero(param_state)
+    fc2 = apply_megatron_patch(optimizer2, FairCaster(cfg), model_chunks=[model2])
+    fc2.load(tmp)
+    train_step(config2, model2, optimizer2, 2)
+    sync_params(model2, optimizer2)
+    got = served_bits(model2)
+    remove_megatron_patch(optimizer2)
+    diff = [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))]
+    return {"version": fc2.caster.version, "mismatches": diff, "params": len(want)}
+
+
+def main():
+    out_path, names = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    results = {}
+    for name in names:
+        try:
+            res = run(name)
+        except Exception:  # noqa: BLE001 - reported to the test
+            res = {"error": traceback.format_exc()}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, res)
+        results[name] = gathered
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -148,8 +148,7 @@ class MegatronFairCast:
         for opt in _sub_optimizers(self.optimizer):
             if getattr(opt, "is_stub_optimizer", False):
                 continue
-            params = [p for group in _bf16_groups(opt) for p in group]
-            owned = sum(p.numel() for p in params)
+            owned = _bf16_elements(opt)
             cast = self.cast_by_optimizer.get(id(opt), 0)
             group = getattr(opt, "data_parallel_group", None) if type(opt).__name__ == "DistributedOptimizer" else None
             if group is not None and torch.distributed.get_world_size(group) > 1:
@@ -208,6 +207,13 @@ class MegatronFairCast:
                     f"rank casts: it is per-rank state; resume with the same parallel layout (TP, PP, EP, DP) and buckets")
         self.caster.load_state_dict(state)
         self.ema_may_start = False
+
+
+def _bf16_elements(opt) -> int:
+    """How many bf16 param elements the optimizer's main->model copy must write, over its data-parallel ranks."""
+    if type(opt).__name__ == "DistributedOptimizer":  # its groups hold only the params this rank has a range of
+        return sum(p.numel() for buffer in opt.buffers for p in buffer.params if p.dtype == torch.bfloat16)
+    return sum(p.numel() for group in opt.float16_groups for p in group)
 
 
 def _bf16_groups(opt):

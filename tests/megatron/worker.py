@@ -9,6 +9,8 @@ served bf16 params gathered over every rank, that the served copy is ``fair_cast
 """
 from __future__ import annotations
 
+import copy
+import datetime
 import json
 import os
 import sys
@@ -64,7 +66,7 @@ def build(opts):
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=opts.get("tp", 1),
         pipeline_model_parallel_size=opts.get("pp", 1), expert_model_parallel_size=opts.get("ep", 1),
-        num_moe_experts=experts, moe_router_topk=2 if experts else 2, moe_token_dispatcher_type="alltoall",
+        num_moe_experts=experts, moe_router_topk=2 if experts else 2, moe_token_dispatcher_type="allgather",
         moe_ffn_hidden_size=48 if experts else None, moe_aux_loss_coeff=0.0,
     )
     config.finalize_model_grads_func = finalize_model_grads
@@ -123,13 +125,16 @@ def full_master_and_served(model, optimizer):
     masters = {}
     for opt in subs:
         if type(opt).__name__ == "DistributedOptimizer":
-            for mgroup, sgroup in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
-                for p, shard in zip(mgroup, sgroup):
+            shards = {id(p): shard for mgroup, sgroup in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
+                      for p, shard in zip(mgroup, sgroup)}
+            # every DP rank walks the same params (a rank may own no range of some): sum the shards over DP
+            for p in [p for buffer in opt.buffers for p in buffer.params if p.dtype == torch.bfloat16]:
+                full = torch.zeros(p.numel(), dtype=torch.float32)
+                if id(p) in shards:
                     r = opt._get_model_param_range_map(p)["param"]
-                    full = torch.zeros(p.numel(), dtype=torch.float32)
-                    full[r.start:r.end] = shard.detach().view(-1)
-                    dist.all_reduce(full, group=opt.data_parallel_group)
-                    masters[id(p)] = full.view(p.shape)
+                    full[r.start:r.end] = shards[id(p)].detach().view(-1)
+                dist.all_reduce(full, group=opt.data_parallel_group)
+                masters[id(p)] = full.view(p.shape)
         else:
             for mgroup, fgroup in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for p, main in zip(mgroup, fgroup):
@@ -155,20 +160,39 @@ def tp_full(t, p, expert):
     return torch.cat([chunks[r][c] for c in range(stride) for r in range(world)], dim=d)
 
 
-def check(model, optimizer, fc, version, faircast):
-    """Compare every served param with fair_cast / round-to-nearest of its full master; names across ranks."""
-    mismatches, differs_from_rtn, count, names = [], 0, 0, {}
+def full_params(model, optimizer):
+    """``{local name: (param, full TP=1 fp32 master, full served bf16)}``, gathered over DP and TP."""
+    out = {}
     for name, (p, master, served) in full_master_and_served(model, optimizer).items():
         expert = not getattr(p, "allreduce", True)
-        full_master, full_served = tp_full(master, p, expert), tp_full(served, p, expert)
+        out[name] = (p, tp_full(master, p, expert), tp_full(served, p, expert))
+    return out
+
+
+def ema_of(history, decay):
+    """The EMA of the master over ``history`` (full masters at versions 0, 1, ...), as ROUNDING.md §4 defines it."""
+    ema = {n: m.clone() for n, m in history[0].items()}
+    for masters in history[1:]:
+        for n, m in ema.items():
+            d = masters[n] - m
+            d.mul_(1.0 - decay)
+            m.add_(d)
+    return ema
+
+
+def check(model, optimizer, fc, version, faircast, sources=None):
+    """Compare every served param with fair_cast (of the master, or of ``sources``) / round-to-nearest."""
+    mismatches, differs_from_rtn, count, names = [], 0, 0, {}
+    for name, (p, full_master, full_served) in full_params(model, optimizer).items():
         rtn = full_master.to(torch.bfloat16)
         if faircast:
             key = fc.keys[id(p)]
             names[key.name] = list(full_master.shape)
+            source = (sources or {}).get(name, full_master)
             if fc.caster.mode == "error_feedback":
                 want = None  # checked by the resume comparison
             else:
-                want = fair_cast(full_master.contiguous(), key=derive_key(SEED, version, key.name), mode=fc.caster.mode)
+                want = fair_cast(source.contiguous(), key=derive_key(SEED, version, key.name), mode=fc.caster.mode)
         else:
             want = rtn
         count += 1
@@ -195,10 +219,17 @@ def run(name):
     cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0))
     if faircast:
         fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
-    results = [train_step(config, model, optimizer, s) for s in range(2)]
+    ema = opts.get("ema")
+    history = [{n: m for n, (_, m, _) in full_params(model, optimizer).items()}] if ema else []
+    results = []
+    for s in range(2):
+        results.append(train_step(config, model, optimizer, s))
+        if ema:
+            history.append({n: m for n, (_, m, _) in full_params(model, optimizer).items()})
     sync_params(model, optimizer)
+    sources = ema_of(history, ema) if ema else None
     out = {"steps_ok": all(r[0] for r in results), "version": fc.caster.version if fc else None,
-           "check": check(model, optimizer, fc, 2, faircast), "coords": coords()}
+           "check": check(model, optimizer, fc, 2, faircast, sources), "coords": coords()}
     if opts.get("resume"):
         out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc)
     if fc is not None:
@@ -207,12 +238,18 @@ def run(name):
     return out
 
 
+def _mains(opt):
+    """The fp32 main params (or DP shards of them) of one Megatron optimizer, in a fixed order."""
+    groups = opt.shard_fp32_from_float16_groups if hasattr(opt, "shard_fp32_from_float16_groups") else opt.fp32_from_float16_groups
+    return [m for group in groups for m in group]
+
+
 def resume_check(opts, cfg, config, model, optimizer, fc):
     """Save after 2 steps, take a 3rd; rebuild, load, take the 3rd again: the served bits must be equal."""
     tmp = os.path.join(tempfile.gettempdir(), f"faircast_megatron_{os.environ.get('MASTER_PORT', '0')}")
     model_state = {k: v.clone() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
-    opt_state = optimizer.state_dict()
-    param_state = optimizer.get_parameter_state_dp_zero() if hasattr(optimizer, "get_parameter_state_dp_zero") else None
+    opt_state = [(copy.deepcopy(o.optimizer.state_dict()), [m.detach().clone() for m in _mains(o)])
+                 for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     if dist.get_rank() == 0:
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
@@ -225,9 +262,10 @@ def resume_check(opts, cfg, config, model, optimizer, fc):
     # a fresh run: same layout, the checkpoint's model and optimizer state, then Fair Cast's state
     config2, model2, optimizer2 = build(opts)
     model2.module.load_state_dict(model_state, strict=False)
-    optimizer2.load_state_dict(opt_state)
-    if param_state is not None:
-        optimizer2.load_parameter_state_from_dp_zero(param_state)
+    for o, (inner, mains) in zip(getattr(optimizer2, "chained_optimizers", [optimizer2]), opt_state):
+        o.optimizer.load_state_dict(copy.deepcopy(inner))
+        for dst, src in zip(_mains(o), mains):
+            dst.data.copy_(src)
     fc2 = apply_megatron_patch(optimizer2, FairCaster(cfg), model_chunks=[model2])
     fc2.load(tmp)
     train_step(config2, model2, optimizer2, 2)
@@ -240,7 +278,7 @@ def resume_check(opts, cfg, config, model, optimizer, fc):
 
 def main():
     out_path, names = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("FAIRCAST_TEST_TIMEOUT", "120"))))
     results = {}
     for name in names:
         try:

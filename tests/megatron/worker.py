@@ -40,6 +40,7 @@ from faircast_plugins import FairCastConfig, FairCaster  # noqa: E402
 from faircast_plugins.cast import fair_cast  # noqa: E402
 from faircast_plugins.key import derive_key  # noqa: E402
 from faircast_plugins.megatron import apply_megatron_patch, remove_megatron_patch  # noqa: E402
+from faircast_plugins.patching import FairCastPatchError  # noqa: E402
 
 SEED = 1234
 VOCAB, SEQ, MBS = 96, 16, 2
@@ -50,7 +51,16 @@ SCENARIOS = {
     "overlap": dict(overlap=True), "tp2": dict(tp=2), "pp2": dict(pp=2, layers=4), "ep2": dict(ep=2, experts=4),
     "tp2_off": dict(tp=2, faircast=False), "ef_resume": dict(mode="error_feedback", resume=True),
     "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
+    "refusals": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
+
+# option set on a real optimizer -> words the refusal must contain
+REFUSALS = [
+    ("config.fp16", True, "fp16"), ("config.bf16", False, "fp16 or fp32"),
+    ("config.use_precision_aware_optimizer", True, "precision-aware"),
+    ("config.optimizer_cpu_offload", True, "CPU offload"), ("ddp_config.fp8_param_gather", True, "fp8"),
+    ("config.reuse_grad_buf_for_mxfp8_param_ag", True, "MXFP8"), ("ddp_config.use_megatron_fsdp", True, "Megatron-FSDP"),
+]
 
 
 def build(opts):
@@ -211,8 +221,79 @@ def served_bits(model):
     return {n: p.detach().clone() for n, p in model.module.named_parameters() if p.dtype == torch.bfloat16}
 
 
+def special(name):
+    """Refusals, a skipped step, and a copy that bypasses Fair Cast (the collective check's negative control)."""
+    config, model, optimizer = build({})
+    cfg = FairCastConfig(enabled=True, seed=SEED)
+    sub = optimizer.chained_optimizers[0]
+    out = {}
+    if name == "refusals":
+        for path, value, words in REFUSALS:
+            owner_name, attr = path.split(".")
+            owner = getattr(sub, owner_name)
+            before = getattr(owner, attr)
+            setattr(owner, attr, value)
+            try:
+                apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+                out[path] = "accepted"
+            except FairCastPatchError as exc:
+                out[path] = "refused" if words.lower() in str(exc).lower() else f"wrong message: {exc}"
+            finally:
+                setattr(owner, attr, before)
+                remove_megatron_patch(optimizer)
+        model.module.config.layernorm_zero_centered_gamma = True
+        try:
+            apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+            out["zero_centered_gamma"] = "accepted"
+        except FairCastPatchError as exc:
+            out["zero_centered_gamma"] = "refused" if "zero-centred" in str(exc) else f"wrong message: {exc}"
+        model.module.config.layernorm_zero_centered_gamma = False
+        remove_megatron_patch(optimizer)
+        fake = type("LayerWiseDistributedOptimizer", (), {})()
+        try:
+            apply_megatron_patch(fake, FairCaster(cfg), model_chunks=[model])
+            out["layer_wise"] = "accepted"
+        except FairCastPatchError as exc:
+            out["layer_wise"] = "refused" if "LayerWiseDistributedOptimizer" in str(exc) else f"wrong message: {exc}"
+        off = apply_megatron_patch(optimizer, FairCaster(FairCastConfig(enabled=False)), model_chunks=[model])
+        out["disabled_attaches_nothing"] = off is None and "_faircast" not in sub.__dict__
+        return out
+    fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+    train_step(config, model, optimizer, 0)
+    before = served_bits(model)
+    if name == "skip":  # found_inf: Megatron returns before the copy; the version must not move
+        optimizer.prepare_grads = lambda: True
+        result = train_step(config, model, optimizer, 1)
+        after = served_bits(model)
+        out.update(success=result[0], version=fc.caster.version,
+                   unchanged=all(torch.equal(before[n], after[n]) for n in before))
+    else:  # a sub-optimizer whose copy goes around Fair Cast: every rank must raise
+        sub._copy_main_params_to_model_params = lambda: stock_copy(sub)
+        try:
+            train_step(config, model, optimizer, 1)
+            out["raised"] = None
+        except FairCastPatchError as exc:
+            out["raised"] = str(exc)
+        out["version"] = fc.caster.version
+        del sub._copy_main_params_to_model_params
+    remove_megatron_patch(optimizer)
+    return out
+
+
+def stock_copy(opt):
+    """Megatron's own (round-to-nearest) distributed-optimizer copy, as it was before Fair Cast wrapped it."""
+    from faircast_plugins.megatron.patch import PATCHES
+
+    for applied in PATCHES._applied:
+        if applied.attr == "_copy_main_params_to_model_params" and applied.owner is type(opt):
+            return applied.previous(opt)
+    raise AssertionError("no original copy recorded")
+
+
 def run(name):
     opts = SCENARIOS[name]
+    if opts.get("special"):
+        return special(name)
     faircast = opts.get("faircast", True)
     config, model, optimizer = build(opts)
     fc = None

@@ -23,7 +23,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.megatron import cpu_shims  # noqa: E402
 
-cpu_shims.install()
+# FAIRCAST_MEGATRON_DEVICE=cuda: the same checks on a GPU (NCCL, no stand-ins), for the device script
+CUDA = os.environ.get("FAIRCAST_MEGATRON_DEVICE", "cpu") == "cuda"
+if not CUDA:
+    cpu_shims.install()
 
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
@@ -90,7 +93,7 @@ def build(opts):
         overlap_param_gather=opts.get("overlap", False), overlap_grad_reduce=opts.get("overlap", False),
         bucket_size=3000 if opts.get("overlap") else None,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model))
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model.cuda() if CUDA else model))
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
                                  use_distributed_optimizer=opts.get("distributed", True), clip_grad=1.0,
                                  overlap_param_gather=opts.get("overlap", False))
@@ -102,8 +105,9 @@ def build(opts):
 
 def train_step(config, model, optimizer, step):
     g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1)
+    device = "cuda" if CUDA else "cpu"
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g).to(device)
+    position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(MBS, -1)
     labels = torch.roll(tokens, -1, dims=1)
 
     def forward_step(data_iterator, m):
@@ -139,7 +143,7 @@ def full_master_and_served(model, optimizer):
                       for p, shard in zip(mgroup, sgroup)}
             # every DP rank walks the same params (a rank may own no range of some): sum the shards over DP
             for p in [p for buffer in opt.buffers for p in buffer.params if p.dtype == torch.bfloat16]:
-                full = torch.zeros(p.numel(), dtype=torch.float32)
+                full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                 if id(p) in shards:
                     r = opt._get_model_param_range_map(p)["param"]
                     full[r.start:r.end] = shards[id(p)].detach().view(-1)
@@ -194,11 +198,13 @@ def check(model, optimizer, fc, version, faircast, sources=None):
     """Compare every served param with fair_cast (of the master, or of ``sources``) / round-to-nearest."""
     mismatches, differs_from_rtn, count, names = [], 0, 0, {}
     for name, (p, full_master, full_served) in full_params(model, optimizer).items():
+        # the reference is the CPU cast: on a GPU run this compares the device's kernel with the CPU one, bit for bit
+        full_master, full_served = full_master.cpu(), full_served.cpu()
         rtn = full_master.to(torch.bfloat16)
         if faircast:
             key = fc.keys[id(p)]
             names[key.name] = list(full_master.shape)
-            source = (sources or {}).get(name, full_master)
+            source = (sources or {}).get(name, full_master).cpu()
             if fc.caster.mode == "error_feedback":
                 want = None  # checked by the resume comparison
             else:
@@ -359,7 +365,9 @@ def resume_check(opts, cfg, config, model, optimizer, fc):
 
 def main():
     out_path, names = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("FAIRCAST_TEST_TIMEOUT", "120"))))
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if CUDA else "gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("FAIRCAST_TEST_TIMEOUT", "120"))))
     results = {}
     for name in names:
         try:

@@ -372,8 +372,9 @@ def refused_options(opt):
     if getattr(config, "optimizer_cpu_offload", False):
         yield ("optimizer CPU offload (optimizer_cpu_offload, HybridDeviceOptimizer): the masters are updated and copied "
                "back by the hybrid optimizer, not yet tested with Fair Cast. Keep the optimizer on the GPU")
-    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False) or getattr(ddp, "fp8_param_gather", False):
-        yield ("fp8/fp4/MXFP8 param gathers (fp8_param_gather, reuse_grad_buf_for_mxfp8_param_ag): the params are "
+    if (getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False) or getattr(ddp, "fp8_param_gather", False)
+            or getattr(ddp, "fp4_param_gather", False)):
+        yield ("fp8/fp4/MXFP8 param gathers (fp8_param_gather, fp4_param_gather, reuse_grad_buf_for_mxfp8_param_ag): the params are "
                "quantized from the masters, so the forward does not read a bf16 copy. Gather bf16 params")
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
         yield ("Megatron-FSDP (use_megatron_fsdp): its main->model copy is copy_main_weights_to_model_weights in "

@@ -62,7 +62,7 @@ REFUSALS = [
     ("config.fp16", True, "fp16"), ("config.bf16", False, "fp16 or fp32"),
     ("config.use_precision_aware_optimizer", True, "precision-aware"),
     ("config.optimizer_cpu_offload", True, "CPU offload"), ("ddp_config.fp8_param_gather", True, "fp8"),
-    ("config.reuse_grad_buf_for_mxfp8_param_ag", True, "MXFP8"), ("ddp_config.use_megatron_fsdp", True, "Megatron-FSDP"),
+    ("config.reuse_grad_buf_for_mxfp8_param_ag", True, "MXFP8"), ("ddp_config.fp4_param_gather", True, "fp4"), ("ddp_config.use_megatron_fsdp", True, "Megatron-FSDP"),
 ]
 
 

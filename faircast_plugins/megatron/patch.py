@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..audit import reduce_metrics
 from ..caster import FairCaster
 from ..export import save_state
 from ..patching import FairCastPatchError, PatchSet, installed_version
@@ -161,6 +162,11 @@ class MegatronFairCast:
                         f"copy was written outside Fair Cast (round-to-nearest) or twice. This megatron-core version or "
                         f"configuration is not supported.")
         return None
+
+    def metrics(self) -> dict:
+        """The ``faircast/*`` metrics since the last call, the audit's sums added over every rank (a collective with
+        the audit on: every rank calls it)."""
+        return reduce_metrics(self.caster, device=first_device(self.optimizer))
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_path(self, directory: str) -> str:

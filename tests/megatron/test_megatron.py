@@ -28,7 +28,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, scenarios, tmp_path_factory) -> dict:
+def launch(nproc: int, scenarios, tmp_path_factory) -> dict:
+    """Run ``scenarios`` of tests/megatron/worker.py in one torchrun launch of ``nproc`` ranks: ``{name: [per rank]}``."""
     out = tmp_path_factory.mktemp(f"megatron_ws{nproc}") / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
            os.path.join(HERE, "worker.py"), str(out), *scenarios]
@@ -41,12 +42,12 @@ def _launch(nproc: int, scenarios, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def ws1(tmp_path_factory):
-    return _launch(1, WS1, tmp_path_factory)
+    return launch(1, WS1, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def ws2(tmp_path_factory):
-    return _launch(2, WS2, tmp_path_factory)
+    return launch(2, WS2, tmp_path_factory)
 
 
 def _ranks(results, name):

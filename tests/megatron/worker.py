@@ -54,7 +54,7 @@ SCENARIOS = {
     "overlap": dict(overlap=True), "tp2": dict(tp=2), "pp2": dict(pp=2, layers=4), "ep2": dict(ep=2, experts=4),
     "tp2_off": dict(tp=2, faircast=False), "ef_resume": dict(mode="error_feedback", resume=True),
     "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
-    "audit": dict(audit=True), "refusals": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
+    "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
 # option set on a real optimizer -> words the refusal must contain
@@ -103,7 +103,8 @@ def build(opts):
     return config, model, optimizer
 
 
-def train_step(config, model, optimizer, step):
+def batch_step(model, step):
+    """Forward and backward of one batch (the batch is a function of ``step``)."""
     g = torch.Generator().manual_seed(100 + step)
     device = "cuda" if CUDA else "cpu"
     tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g).to(device)
@@ -119,10 +120,14 @@ def train_step(config, model, optimizer, step):
 
         return out, loss_func
 
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
                                 num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+
+
+def train_step(config, model, optimizer, step):
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    batch_step(model, step)
     return optimizer.step()
 
 
@@ -227,9 +232,44 @@ def served_bits(model):
     return {n: p.detach().clone() for n, p in model.module.named_parameters() if p.dtype == torch.bfloat16}
 
 
+def verl_engine(config, model, optimizer):
+    """verl 0.9.1's MegatronEngine with Fair Cast activated as its worker does, stepped by verl's own
+    ``optimizer_step``; its checkpoint methods run with a stand-in checkpoint manager (verl's needs megatron-bridge)."""
+    import types
+
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from faircast_plugins.verl import megatron as verl_megatron
+
+    engine = MegatronEngine.__new__(MegatronEngine)  # initialize() needs megatron-bridge: give it what it builds
+    saved = []
+    engine.module, engine.optimizer, engine._qat_enabled, engine._is_offload_param = [model], optimizer, False, False
+    engine._is_offload_optimizer, engine.lr_scheduler = False, None
+    engine.checkpoint_mananager = types.SimpleNamespace(save_checkpoint=lambda **kw: saved.append(kw),
+                                                       load_checkpoint=lambda **kw: saved.append(kw))
+    fc = verl_megatron.activate(engine, FairCastConfig(enabled=True, seed=SEED))
+    for s in range(2):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        batch_step(model, s)
+        engine.optimizer_step()
+    out = {"version": fc.caster.version, "check": check(model, optimizer, fc, 2, True)}
+    tmp = tempfile.mkdtemp(prefix="faircast_verl_megatron_")
+    engine.save_checkpoint(tmp)
+    engine.load_checkpoint(tmp)
+    out["state_files"] = sorted(f for f in os.listdir(tmp) if f.startswith("faircast_state_rank"))
+    out["verl_checkpoint_calls"] = len(saved)
+    out["version_after_load"] = fc.caster.version
+    verl_megatron.PATCHES.remove()
+    remove_megatron_patch(optimizer)
+    return out
+
+
 def special(name):
-    """Refusals, a skipped step, and a copy that bypasses Fair Cast (the collective check's negative control)."""
+    """Refusals, a skipped step, a copy that bypasses Fair Cast (the collective check's negative control), verl."""
     config, model, optimizer = build({})
+    if name == "verl":
+        return verl_engine(config, model, optimizer)
     cfg = FairCastConfig(enabled=True, seed=SEED)
     sub = optimizer.chained_optimizers[0]
     out = {}

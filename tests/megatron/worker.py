@@ -277,7 +277,7 @@ def special(name):
         for path, value, words in REFUSALS:
             owner_name, attr = path.split(".")
             owner = getattr(sub, owner_name)
-            before = getattr(owner, attr)
+            before = getattr(owner, attr, None)  # fp4_param_gather is newer than 0.16.1
             setattr(owner, attr, value)
             try:
                 apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])

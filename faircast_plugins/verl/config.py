@@ -5,8 +5,10 @@ from typing import Any, Optional
 
 from ..config import FairCastConfig, parse_bool
 
-#: Strategies whose bf16 compute copy Fair Cast can make follow the contract (see docs/verl.md for Megatron).
+#: Strategies whose bf16 compute copy Fair Cast can make follow the contract.
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
+#: Megatron-core's main->model param copy (faircast_plugins/megatron, docs/megatron.md).
+MEGATRON_STRATEGY = "megatron"
 
 
 def _plain(value: Any) -> Any:
@@ -80,12 +82,13 @@ def rollout_quantization(worker_config: Any) -> Optional[str]:
 def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     """Refuse, with the reason, the combinations verl's FSDP adapter cannot make bit-exact."""
     strategy = worker_config.actor.strategy
+    if strategy == MEGATRON_STRATEGY:
+        check_megatron(config, worker_config)
+        return
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but actor.strategy={strategy!r}: Fair Cast for verl supports the FSDP "
-            f"engines ({', '.join(FSDP_STRATEGIES)}) only. With Megatron the fp32 master lives in Megatron-core's "
-            f"optimizer and the bf16 params are written by its main->model param copy, inside Megatron-core rather "
-            f"than verl; that copy is not patched (see docs/verl.md)."
+            f"engines ({', '.join(FSDP_STRATEGIES)}) and {MEGATRON_STRATEGY!r}."
         )
     lora = worker_config.model.get("lora_rank", 0) or 0
     merged = bool(lora and (worker_config.model.get("lora", {}) or {}).get("merge", False))
@@ -137,3 +140,37 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"actor_rollout_ref.faircast needs a bf16 rollout, got rollout.dtype={rollout_dtype!r}: the served copy "
             f"Fair Cast defines is bf16."
         )
+
+
+def check_megatron(config: FairCastConfig, worker_config: Any) -> None:
+    """Refuse what Fair Cast cannot make bit-exact on verl's Megatron engine, before the model is built (the
+    optimizer's own options are checked again when Fair Cast attaches: faircast_plugins/megatron/patch.py)."""
+    megatron = worker_config.actor.get("megatron", {}) or {}
+    dtype = str(megatron.get("dtype", "bfloat16"))
+    if dtype not in ("bfloat16", "bf16"):
+        raise ValueError(
+            f"actor_rollout_ref.faircast with actor.strategy=megatron needs actor.megatron.dtype=bfloat16, got {dtype!r}: "
+            f"verl's fp16 path uses Megatron's precision-aware optimizer, whose main->model copy runs inside "
+            f"TransformerEngine's FusedAdam, outside the copy Fair Cast patches."
+        )
+    for option, why in (
+        ("use_megatron_fsdp", "Megatron-FSDP copies the masters with its own buffer code, not patched"),
+        ("vanilla_mbridge", "the vanilla mbridge export path was not read; use megatron-bridge (vanilla_mbridge=false)"),
+    ):
+        if megatron.get(option, False):
+            raise ValueError(f"actor_rollout_ref.faircast with actor.strategy=megatron does not support "
+                             f"actor.megatron.{option}=true: {why}.")
+    if (megatron.get("qat", {}) or {}).get("enable", False):
+        raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron does not support QAT "
+                         "(actor.megatron.qat.enable): the QAT export re-quantizes the served copy.")
+    if worker_config.model.get("lora_rank", 0) or (worker_config.model.get("lora", {}) or {}).get("rank", 0):
+        raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron does not support LoRA yet: the "
+                         "adapter export through megatron-bridge was not checked. Use full fine-tuning, or FSDP2.")
+    if rollout_quantization(worker_config):
+        raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron serves bf16 only: remove "
+                         "rollout.quantization (its fp8 export on Megatron was not checked).")
+    rollout_dtype = str(worker_config.rollout.get("dtype", "bfloat16"))
+    if rollout_dtype not in ("bfloat16", "bf16"):
+        raise ValueError(f"actor_rollout_ref.faircast needs a bf16 rollout, got rollout.dtype={rollout_dtype!r}")
+    if verl_option(worker_config, "fp8_loss") or verl_option(worker_config, "allow_merged_lora"):
+        raise ValueError("actor_rollout_ref.faircast.fp8_loss / allow_merged_lora apply to the FSDP engines only")

@@ -12,7 +12,8 @@ from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
 from . import fp8 as fc_fp8
-from .config import check_supported, read_faircast, verl_option
+from . import megatron as verl_megatron
+from .config import MEGATRON_STRATEGY, check_supported, read_faircast, verl_option
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -111,9 +112,15 @@ def _wrap_init_model(original):
                 logger.warning("Fair Cast is OFF for this verl worker (role=%s): actor_rollout_ref.faircast is not "
                                "set; the rollout serves the round-to-nearest copy", self.role)
             return _status(self, requested, False) if result is None else result
+        engine = self.actor.engine
+        if self.config.actor.strategy == MEGATRON_STRATEGY:
+            fc = verl_megatron.activate(engine, config)
+            logger.warning("Fair Cast ACTIVE on the verl actor (role=%s, strategy=megatron): %s; %d bf16 params cast "
+                           "by Megatron-core's main->model copy (the loss and the export read them)",
+                           self.role, config.describe(), len(fc.keys))
+            return _status(self, True, True) if result is None else result
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-        engine = self.actor.engine
         if not isinstance(engine, FSDPEngine):
             raise ValueError(f"actor_rollout_ref.faircast supports verl's FSDP engines, not {type(engine).__name__}")
         state = fc_engine.activate(engine, config)
@@ -138,14 +145,19 @@ def _wrap_update_actor(original):
     @functools.wraps(original)
     def update_actor(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
-        state = fc_engine.state_of(self.actor.engine) if self.actor is not None else None
-        if state is None:
+        engine = self.actor.engine if self.actor is not None else None
+        state = fc_engine.state_of(engine) if engine is not None else None
+        megatron = verl_megatron.state_of(engine) if engine is not None else None
+        if state is None and megatron is None:
             return output
         from verl.utils import tensordict_utils as tu
         from verl.utils.device import get_device_id
 
-        device = get_device_id() if state.caster.audit is not None else None
-        extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it
+        if megatron is not None:
+            extra = megatron.metrics()  # collective: every rank calls it
+        else:
+            device = get_device_id() if state.caster.audit is not None else None
+            extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it
         if output is not None:
             merged = dict(tu.get(output, "metrics") or {})
             merged.update(extra)

@@ -112,7 +112,10 @@ def test_bad_values_are_clear_errors(value, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.actor.strategy=megatron", "Megatron"),
+    ("actor_rollout_ref.actor.strategy=megatron,+actor_rollout_ref.actor.megatron.dtype=float16", "dtype=bfloat16"),
+    ("actor_rollout_ref.actor.strategy=megatron,+actor_rollout_ref.actor.megatron.vanilla_mbridge=true", "vanilla_mbridge"),
+    ("actor_rollout_ref.actor.strategy=megatron,actor_rollout_ref.model.lora_rank=8", "LoRA"),
+    ("actor_rollout_ref.actor.strategy=megatron,actor_rollout_ref.rollout.quantization=fp8", "bf16 only"),
     ("actor_rollout_ref.model.lora_rank=8,actor_rollout_ref.actor.strategy=fsdp", "fsdp2 only"),
     ("actor_rollout_ref.rollout.dtype=float16", "bf16 rollout"),
 ])
@@ -134,6 +137,8 @@ def test_unsupported_setups_are_refused(override, message):
     ["+actor_rollout_ref.faircast.mode=error_feedback"],
     ["+actor_rollout_ref.faircast.ema_decay=0.5"],
     ["actor_rollout_ref.actor.strategy=fsdp", "+actor_rollout_ref.faircast.mode=error_feedback"],
+    ["actor_rollout_ref.actor.strategy=megatron"],                                 # Megatron (docs/megatron.md)
+    ["actor_rollout_ref.actor.strategy=megatron", "+actor_rollout_ref.faircast.mode=error_feedback"],
 ])
 def test_supported_setups_are_accepted(extra):
     sub_options = any("faircast." in e for e in extra)

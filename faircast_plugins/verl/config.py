@@ -23,7 +23,7 @@ def _plain(value: Any) -> Any:
 #: Options of the ``faircast`` mapping that only the verl adapter reads (the rest is :class:`FairCastConfig`).
 #: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
 #: ``fp8_loss``: with ``rollout.quantization: fp8``, the actor's forward runs its quantized linear layers on the
-#: dequantized fp8 copy (fp32, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
+#: dequantized fp8 copy (fp32 GEMMs, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
 VERL_OPTIONS = ("allow_merged_lora", "fp8_loss")
 
 FP8_LOSS_NEEDS_FP8 = (

@@ -53,32 +53,47 @@ def metrics_source(state):
 # -- the loss on the fp8 copy (opt-in: faircast.fp8_loss) ----------------------------------------------------
 
 
-class _StraightThroughFp8(torch.autograd.Function):
-    """Forward: the dequantized fp8 copy of the (full, bf16) compute weight; backward: the gradient unchanged, in
-    the weight's dtype (straight through to FSDP's gradient of the fp32 master)."""
+def compute_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight the actor's forward uses for linear layer ``name`` under ``fp8_loss`` (fp32 values
+    ``fp8 * descale`` of verl's quantizer, from FSDP's full bf16 compute copy; no autograd history)."""
+    return served_fp8(weight.detach())
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``linear(x, dequantized fp8 copy of weight, bias)`` in fp32, gradient straight through to ``weight``.
+
+    It saves the input and the weight itself (the parameter FSDP re-gathers for the backward, as for any linear),
+    never the fp32 dequantized copy: that would stay alive, unsharded, from each layer's forward to its backward
+    (4 B/param). The backward dequantizes the weight again (one more quantization per weight and step)."""
 
     @staticmethod
-    def forward(ctx, weight):
-        ctx.dtype = weight.dtype
-        return served_fp8(weight.detach())
+    def forward(ctx, x, weight, bias, name):
+        w32 = compute_weight(name, weight)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        b32 = bias.detach().to(torch.float32) if bias is not None else None
+        return torch.nn.functional.linear(x.detach().to(torch.float32), w32, b32).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype)
-
-
-def compute_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
-    """The weight the actor's forward uses for linear layer ``name`` under ``fp8_loss`` (fp32 values
-    ``fp8 * descale`` of verl's quantizer, from FSDP's full bf16 compute copy)."""
-    return _StraightThroughFp8.apply(weight)
+        x, weight = ctx.saved_tensors
+        g32 = grad.to(torch.float32)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g32.matmul(served_fp8(weight.detach())).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = g32.reshape(-1, g32.shape[-1]).t().matmul(
+                x.detach().reshape(-1, x.shape[-1]).to(torch.float32)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g32.reshape(-1, g32.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b, None
 
 
 def _fp8_forward(module: torch.nn.Linear, name: str):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = compute_weight(name, module.weight)  # full here: FSDP all-gathered it for this forward
-        bias = module.bias.to(torch.float32) if module.bias is not None else None
+        # module.weight is full here: FSDP all-gathered it for this forward (and re-gathers it for the backward)
         with torch.autocast(device_type=x.device.type, enabled=False):  # autocast would round the weight to bf16
-            return torch.nn.functional.linear(x.to(torch.float32), weight, bias).to(x.dtype)
+            return _Fp8Linear.apply(x, module.weight, module.bias, name)
 
     return forward
 

@@ -3,9 +3,10 @@
 With fp8, verl's vLLM engine quantizes every linear weight it receives (``quant_weights`` ->
 ``scaled_fp8_blockwise``, 128x128 blocks, e4m3): Fair Cast's export stays the served bf16 copy and verl's quantizer
 runs after it, unchanged. So the ``faircast/*`` audit metrics (``lag_steps``, ``served_changed_frac``, ``bias``)
-are computed on the dequantized fp8 copy (:func:`faircast_plugins.fp8.served_fp8`, bit-identical to verl's
-PyTorch quantizer) instead of on the bf16 shards FSDP casts: with the flag off (``faircast: {enable: false,
-audit: true}``) they show what verl's fp8 path costs.
+are computed on the dequantized fp8 copy (:func:`engine_fp8`: made by verl's own ``scaled_fp8_blockwise``, so by
+whichever of its two quantizers, Triton or PyTorch, the rollout takes in this environment) instead of on the bf16
+shards FSDP casts: with the flag off (``faircast: {enable: false, audit: true}``) they show what verl's fp8 path
+costs.
 
 That audit observes the full tensors of each export (``get_per_tensor_param``: every rank sees the same full
 tensors, so the sums grow by the world size and every ratio stays the same), at the weight version of the
@@ -18,12 +19,41 @@ fp8 copy of FSDP's full bf16 compute weight, in fp32, with a straight-through gr
 """
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import torch
 
-from ..fp8 import quantized_by_engine, served_fp8
+from ..fp8 import BLOCK, dequantize_blockwise, quantized_by_engine
 from .config import rollout_quantization
+
+FP8_KERNEL = "verl.utils.kernel.fp8_kernel"
+
+
+def verl_fp8_path() -> str:
+    """``"triton"`` or ``"pytorch"``: the quantizer verl's ``scaled_fp8_blockwise`` takes in this process, by verl's
+    own rule (Triton wherever triton imports, unless ``VERL_DISABLE_TRITON_FP8=1``). The two differ in the last bit
+    of about a third of the block descales (``faircast_plugins.fp8.descale_triton``)."""
+    kernel = importlib.import_module(FP8_KERNEL)
+    try:
+        triton, disabled = kernel._TRITON_AVAILABLE, kernel._DISABLE_TRITON_FP8
+    except AttributeError as e:
+        raise RuntimeError(f"{FP8_KERNEL} no longer has {e.name}: cannot tell which fp8 quantizer verl's rollout "
+                           "takes. Use a verl release this package supports (docs/verl.md), or remove "
+                           "faircast.fp8_loss and the audit under rollout.quantization=fp8") from None
+    return "triton" if triton and not disabled else "pytorch"
+
+
+def engine_fp8(weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight verl's fp8 engine computes with for the bf16 ``weight`` (2-D, or 3-D per expert): verl's own
+    ``scaled_fp8_blockwise`` (128x128 blocks), dequantized. Its Triton path runs on the GPU, as in the rollout."""
+    if weight.dim() == 3:
+        return torch.stack([engine_fp8(e) for e in weight])
+    x = weight.detach().to(torch.bfloat16)
+    if verl_fp8_path() == "triton" and x.device.type != "cuda" and torch.cuda.is_available():
+        x = x.cuda()
+    q, descale = importlib.import_module(FP8_KERNEL).scaled_fp8_blockwise(x, [BLOCK, BLOCK])
+    return dequantize_blockwise(q, descale.reshape(descale.shape[0], descale.shape[1])).to(weight.device)
 
 
 def attach(state, worker_config) -> bool:
@@ -40,7 +70,7 @@ def observe_export(state, name: str, master: torch.Tensor, served: torch.Tensor)
     audit = getattr(state, "fp8_audit", None)
     if audit is None:
         return
-    engine_copy = served_fp8(served) if quantized_by_engine(name, served) else served
+    engine_copy = engine_fp8(served) if quantized_by_engine(name, served) else served
     audit.observe(name, state.caster.version, master, engine_copy)
 
 
@@ -56,7 +86,7 @@ def metrics_source(state):
 def compute_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
     """The weight the actor's forward uses for linear layer ``name`` under ``fp8_loss`` (fp32 values
     ``fp8 * descale`` of verl's quantizer, from FSDP's full bf16 compute copy; no autograd history)."""
-    return served_fp8(weight.detach())
+    return engine_fp8(weight)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -80,7 +110,7 @@ class _Fp8Linear(torch.autograd.Function):
         g32 = grad.to(torch.float32)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = g32.matmul(served_fp8(weight.detach())).to(x.dtype)
+            grad_x = g32.matmul(engine_fp8(weight)).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = g32.reshape(-1, g32.shape[-1]).t().matmul(
                 x.detach().reshape(-1, x.shape[-1]).to(torch.float32)).to(weight.dtype)

@@ -119,11 +119,14 @@ def _wrap_init_model(original):
         state = fc_engine.activate(engine, config)
         if fc_fp8.attach(state, self.config):
             logger.warning("Fair Cast: rollout.quantization=fp8: the audit measures the fp8 copy verl's engine "
-                           "computes with (at each export; docs/verl.md)")
+                           "computes with (at each export, by verl's %s quantizer; docs/verl.md)",
+                           fc_fp8.verl_fp8_path())
         if verl_option(self.config, "fp8_loss"):
             n = fc_fp8.enable_fp8_loss(engine.module)
             logger.warning("Fair Cast fp8_loss: %d linear layers of the actor compute with the dequantized fp8 copy "
-                           "(fp32, straight-through gradient); the fp8 engine's own kernels were not verified", n)
+                           "made by verl's %s quantizer (the one its rollout takes here, unless its environment "
+                           "sets VERL_DISABLE_TRITON_FP8 differently; fp32 GEMMs, straight-through gradient); the "
+                           "fp8 engine's own kernels were not verified", n, fc_fp8.verl_fp8_path())
         logger.warning(
             "Fair Cast ACTIVE on the verl actor (role=%s, strategy=%s): %s; %d parameters cast by Fair Cast in FSDP "
             "and in the export to the rollout; reference/critic models untouched",

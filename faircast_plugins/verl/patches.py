@@ -12,7 +12,7 @@ from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
 from . import fp8 as fc_fp8
-from .config import check_supported, read_faircast, verl_option
+from .config import check_supported, delta_sync_advice, read_faircast, verl_option
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -127,6 +127,9 @@ def _wrap_init_model(original):
                            "made by verl's %s quantizer (the one its rollout takes here, unless its environment "
                            "sets VERL_DISABLE_TRITON_FP8 differently; fp32 GEMMs, straight-through gradient); the "
                            "fp8 engine's own kernels were not verified", n, fc_fp8.verl_fp8_path())
+        advice = delta_sync_advice(self.config)
+        if advice is not None:
+            getattr(logger, advice[0])(advice[1])
         logger.warning(
             "Fair Cast ACTIVE on the verl actor (role=%s, strategy=%s): %s; %d parameters cast by Fair Cast in FSDP "
             "and in the export to the rollout; reference/critic models untouched",

@@ -495,6 +495,23 @@ def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, to
     return full.view(shape)
 
 
+def uneven_shards(root) -> List[str]:
+    """Names of the FSDP2 (DTensor) parameters whose sharded dimension the shard group does not divide: FSDP2 pads
+    their shards, and re-pads the short ones with a host copy whenever the module moves (``FSDPParam.
+    reset_sharded_param``). Decided from the global shape, so every rank gives the same answer."""
+    found = []
+    for name, p in root.named_parameters():
+        placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
+        if placements is None or mesh is None:
+            continue
+        for mesh_dim, placement in enumerate(placements):
+            dim = getattr(placement, "dim", None)
+            if placement.is_shard() and dim is not None and p.shape[dim] % mesh.size(mesh_dim):
+                found.append(name)
+                break
+    return found
+
+
 def unregister_fsdp_module(root: nn.Module) -> None:
     """Give ``root`` back FSDP's stock cast."""
     _LAYOUTS.clear()

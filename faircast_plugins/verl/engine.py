@@ -14,7 +14,8 @@ from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..export import save_state
-from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout
+from ..fsdp import (apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout,
+                    uneven_shards)
 from ..key import canonical_name
 from . import fp8 as fc_fp8
 
@@ -84,8 +85,33 @@ def activate(engine, config: FairCastConfig) -> EngineFairCast:
     peft = hasattr(_hf_model(engine.module), "peft_config")
     state = EngineFairCast(caster, _export_names(engine.module, registered), engine.module, set(registered.values()),
                            peft, audit=caster.audit)
+    if needs_blocking_offload(engine):
+        mark_blocking_offload(engine.module)
+        logger.warning("Fair Cast: FSDP2 param_offload with uneven shards (%s, ...): verl's offload of this actor is a "
+                       "blocking copy (a non_blocking one can leave the re-padded short shards stale; docs/verl.md)",
+                       uneven_shards(engine.module)[0])
     setattr(engine, ATTR, state)
     return state
+
+
+#: set on a module whose offload must be a blocking copy (:func:`mark_blocking_offload`)
+BLOCKING_OFFLOAD = "_faircast_blocking_offload"
+
+
+def mark_blocking_offload(module) -> None:
+    """verl offloads FSDP2 parameters with ``module.to("cpu", non_blocking=True)``; inside that call torch re-pads
+    each uneven shard with a host copy of the pinned destination, before the device-to-host copy has landed (issue
+    29, finding 8), so the masters of the short ranks could come back stale, and Fair Cast would export them.
+    Marked modules are offloaded with a blocking copy instead (``patches._wrap_offload``)."""
+    setattr(module, BLOCKING_OFFLOAD, True)
+
+
+def needs_blocking_offload(engine) -> bool:
+    """FSDP2 with ``param_offload`` and an uneven shard anywhere (the same answer on every rank)."""
+    from verl.utils.fsdp_utils import fsdp_version
+
+    return bool(getattr(engine, "_is_offload_param", False)) and fsdp_version(engine.module) == 2 \
+        and bool(uneven_shards(engine.module))
 
 
 def canonical_of(state: EngineFairCast, exported_name: str) -> Optional[str]:

@@ -288,6 +288,22 @@ def _wrap_merged_lora_per_tensor_param(original):
     return _merged_lora_per_tensor_param
 
 
+def _wrap_offload(original):
+    """verl's ``offload_fsdp_model_to_cpu`` as the FSDP engine calls it: a blocking copy for a module Fair Cast
+    marked (FSDP2 with uneven shards, :func:`engine.mark_blocking_offload`), verl's own otherwise."""
+    @functools.wraps(original)
+    def offload_fsdp_model_to_cpu(model, empty_cache: bool = True):
+        if not getattr(model, fc_engine.BLOCKING_OFFLOAD, False):
+            return original(model, empty_cache)
+        model.to("cpu")  # blocking: torch's re-padding host copy of the short shards then reads landed data
+        if empty_cache:
+            from verl.utils.device import get_torch_device
+
+            get_torch_device().empty_cache()
+
+    return offload_fsdp_model_to_cpu
+
+
 def build_patch_set() -> PatchSet:
     """Every verl symbol Fair Cast wraps, checked together against the installed verl before any is touched."""
     patches = PatchSet("verl", "verl", VERL_SPECIFIER)
@@ -297,6 +313,7 @@ def build_patch_set() -> PatchSet:
     patches.wrap(f"{_ENGINE}.get_per_tensor_param", _wrap_get_per_tensor_param)
     patches.wrap(f"{_IMPL}:unfuse_moe_params", _wrap_unfuse_moe_params)
     patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _wrap_get_per_tensor_param_shard)
+    patches.wrap(f"{_IMPL}:offload_fsdp_model_to_cpu", _wrap_offload)  # uneven FSDP2 shards: a blocking offload
     patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _wrap_merged_lora_per_tensor_param)
     patches.wrap(f"{_ENGINE}.save_checkpoint", _then(_save))
     patches.wrap(f"{_ENGINE}.load_checkpoint", _then(_load))

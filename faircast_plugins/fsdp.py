@@ -114,6 +114,15 @@ class _Job(NamedTuple):
 # -- the patched call sites ------------------------------------------------------------------------------------
 
 
+def stage_for_cast(master: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host master shard (verl's ``param_offload``) copied to the accelerator ``device`` the served copy is
+    wanted on, so the cast and its state (error-feedback residual, EMA) stay there, as at the all-gather: no host
+    cast, no state moving between host and device every step. Anything else is returned as it is."""
+    if master.device.type == "cpu" and device.type != "cpu":
+        return master.to(device, non_blocking=True)  # pinned (offloaded) masters: ordered on the current stream
+    return master
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``: an offloaded (pinned) host shard is copied without blocking the host, ordered on the
     current stream before the cast that reads it."""
@@ -468,7 +477,7 @@ def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, to
     mine = (0, 0)
     if shard is not None:
         offset, master = shard
-        q = caster.cast(name, master, offset=offset).reshape(-1).to(device)
+        q = caster.cast(name, stage_for_cast(master, device), offset=offset).reshape(-1).to(device)
         mine = (offset, q.numel())
     if world == 1:
         layout = [mine]

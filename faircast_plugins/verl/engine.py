@@ -15,7 +15,7 @@ from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..export import save_state
 from ..fsdp import (apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout,
-                    uneven_shards)
+                    stage_for_cast, uneven_shards)
 from ..key import canonical_name
 from . import fp8 as fc_fp8
 
@@ -231,7 +231,7 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
                     isinstance(place, int) or place.is_flat_contiguous):
                 raise RuntimeError(f"Fair Cast delta export: the shard of {name} verl exports does not match the "
                                    f"shard FSDP casts (offset {offset}, {n} elements)")
-            q = state.caster.cast(canonical, got[1], offset=offset)
+            q = state.caster.cast(canonical, stage_for_cast(got[1], local.device), offset=offset)
         else:
             full = served_full(state, canonical, spec.full_shape, local.device, shards).reshape(-1)
             if isinstance(place, int):

@@ -140,3 +140,25 @@ def test_offload_of_a_module_with_uneven_shards_is_blocking():
     offload(plain)
     offload(marked, empty_cache=False)
     assert seen == [("cpu", True), ("cpu", False)]
+
+
+# -- issue 29, finding 5: the stateful export of offloaded masters casts on the device, state stays there -------
+
+@pytest.mark.parametrize("cfg", [{"mode": "error_feedback"}, {"ema_decay": 0.5}], ids=["error_feedback", "ema"])
+def test_stateful_export_of_an_offloaded_shard_casts_on_the_export_device(monkeypatch, cfg):
+    """verl's param_offload leaves the master shards on the host while the export's tensors are on the GPU: the
+    error-feedback/EMA assembly stages the shard to the export's device and casts there, so the residual (or EMA),
+    which follows the cast's input (tests/core/test_caster.py), stays on the device it lives on at the all-gather:
+    no host cast, no state moving device every step. The "meta" device stands in for the GPU (the cast is recorded,
+    not run). Control: a shard already on the export's device is not copied, nor a host shard for a host export."""
+    from faircast_plugins.fsdp import assemble_served, stage_for_cast
+
+    caster = FairCaster(FairCastConfig(enabled=True, seed=1, **cfg))
+    gpu, seen = torch.device("meta"), []
+    monkeypatch.setattr(caster, "cast", lambda name, m, **kw: seen.append(m.device) or
+                        torch.zeros(m.numel(), dtype=torch.bfloat16, device=m.device))
+    host_master = torch.linspace(-1, 1, N, dtype=torch.float32) / 3
+    q = assemble_served(caster, "w", (0, host_master), (N,), gpu)
+    assert seen == [gpu] and q.device == gpu and q.dtype == torch.bfloat16
+    on_device = torch.zeros(N, device=gpu)
+    assert stage_for_cast(on_device, gpu) is on_device and stage_for_cast(host_master, torch.device("cpu")) is host_master

@@ -156,9 +156,10 @@ class ShadowMasters(Backend):
         if self.caster.audit is None:
             return
         for n, p in self.params.items():
-            flat = p.detach().reshape(-1).float()
+            flat = p.detach().reshape(-1)
             pos = sample_positions(flat.numel(), self.config.audit_sample, flat.device)
-            self.caster.cast(n, flat) if pos is None else self.caster.cast(n, flat[pos], indices=pos)
+            # index first, then widen: the sample only, not a full fp32 copy of each parameter every step
+            self.caster.cast(n, flat.float()) if pos is None else self.caster.cast(n, flat[pos].float(), indices=pos)
 
     def before_step(self) -> None:
         if self.shadow:

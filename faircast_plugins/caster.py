@@ -124,6 +124,12 @@ class FairCaster:
             m = self._ema[name] = _beside(m, master)
         return m
 
+    def state_device(self, name: str) -> Optional[torch.device]:
+        """Where ``name``'s per-element state (error-feedback residual, EMA) lives, or None without any yet."""
+        name = canonical_name(name)
+        state = self._ema.get(name) if self.ema_on else getattr(self._ef.get(name), "residual", None)
+        return None if state is None else state.device
+
     def has_ema(self, name: str) -> bool:
         return canonical_name(name) in self._ema
 

@@ -114,11 +114,13 @@ class _Job(NamedTuple):
 # -- the patched call sites ------------------------------------------------------------------------------------
 
 
-def stage_for_cast(master: torch.Tensor, device: torch.device) -> torch.Tensor:
+def stage_for_cast(master: torch.Tensor, device, state_device: Optional[torch.device] = None) -> torch.Tensor:
     """A host master shard (verl's ``param_offload``) copied to the accelerator ``device`` the served copy is
     wanted on, so the cast and its state (error-feedback residual, EMA) stay there, as at the all-gather: no host
-    cast, no state moving between host and device every step. Anything else is returned as it is."""
-    if master.device.type == "cpu" and device.type != "cpu":
+    cast, no state moving between host and device every step. Left on the host when its state lives there (FSDP's
+    own CPU offload casts on the host at every all-gather); anything else is returned as it is."""
+    if master.device.type == "cpu" and torch.device(device).type != "cpu" and \
+            (state_device is None or state_device.type != "cpu"):
         return master.to(device, non_blocking=True)  # pinned (offloaded) masters: ordered on the current stream
     return master
 
@@ -477,7 +479,8 @@ def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, to
     mine = (0, 0)
     if shard is not None:
         offset, master = shard
-        q = caster.cast(name, stage_for_cast(master, device), offset=offset).reshape(-1).to(device)
+        q = caster.cast(name, stage_for_cast(master, device, caster.state_device(name)),
+                        offset=offset).reshape(-1).to(device)
         mine = (offset, q.numel())
     if world == 1:
         layout = [mine]

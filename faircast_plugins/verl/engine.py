@@ -231,7 +231,8 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
                     isinstance(place, int) or place.is_flat_contiguous):
                 raise RuntimeError(f"Fair Cast delta export: the shard of {name} verl exports does not match the "
                                    f"shard FSDP casts (offset {offset}, {n} elements)")
-            q = state.caster.cast(canonical, stage_for_cast(got[1], local.device), offset=offset)
+            master = stage_for_cast(got[1], local.device, state.caster.state_device(canonical))
+            q = state.caster.cast(canonical, master, offset=offset)
         else:
             full = served_full(state, canonical, spec.full_shape, local.device, shards).reshape(-1)
             if isinstance(place, int):

@@ -162,3 +162,5 @@ def test_stateful_export_of_an_offloaded_shard_casts_on_the_export_device(monkey
     assert seen == [gpu] and q.device == gpu and q.dtype == torch.bfloat16
     on_device = torch.zeros(N, device=gpu)
     assert stage_for_cast(on_device, gpu) is on_device and stage_for_cast(host_master, torch.device("cpu")) is host_master
+    # FSDP's own CPU offload casts on the host at every all-gather, where the state then lives: it stays there
+    assert stage_for_cast(host_master, gpu, torch.device("cpu")) is host_master

@@ -14,8 +14,8 @@ from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..export import save_state
-from ..fsdp import (apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout,
-                    stage_for_cast, uneven_shards)
+from ..fsdp import (apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_groups,
+                    shard_layout, stage_for_cast, uneven_shards)
 from ..key import canonical_name
 from . import fp8 as fc_fp8
 
@@ -130,7 +130,7 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
     adapters travel in separate exports).
     """
     seen = set()
-    shards = None
+    shards = groups = None
     for name, tensor in weights:
         canonical = canonical_of(state, name)
         if canonical is None:
@@ -140,11 +140,12 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
             raise TypeError(f"Fair Cast export: {name} arrives as {tensor.dtype}, expected the fp32 master")
         if not seen:  # before the first host read of this export
             shards = registered_shards(state.module) if state.stateful else {}
+            groups = shard_groups(state.module) if state.stateful else {}
             wait_for_offload_copies([tensor] + [master for _, master in shards.values()])
         seen.add(canonical)
         if state.stateful:
             shards = registered_shards(state.module) if shards is None else shards
-            q = served_full(state, canonical, tensor.shape, tensor.device, shards)
+            q = served_full(state, canonical, tensor.shape, tensor.device, shards, groups)
         else:
             q = _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
         fc_fp8.observe_export(state, canonical, tensor, q)
@@ -178,10 +179,12 @@ def _cast_unaudited(caster: FairCaster, name: str, master: torch.Tensor) -> torc
     return fair_cast(master, key=caster.key(name), mode=caster.mode, backend=caster.config.backend)
 
 
-def served_full(state: EngineFairCast, name: str, shape, device, shards=None) -> torch.Tensor:
-    """The full served bf16 copy of registered parameter ``name`` (collective; see :func:`fsdp.assemble_served`)."""
+def served_full(state: EngineFairCast, name: str, shape, device, shards=None, groups=None) -> torch.Tensor:
+    """The full served bf16 copy of registered parameter ``name`` (collective over the group it is sharded over;
+    see :func:`fsdp.assemble_served`)."""
     shards = registered_shards(state.module) if shards is None else shards
-    return assemble_served(state.caster, name, shards.get(name), shape, device)
+    groups = shard_groups(state.module) if groups is None else groups
+    return assemble_served(state.caster, name, shards.get(name), shape, device, groups.get(name))
 
 
 def step_taken(grad_norm) -> bool:
@@ -212,7 +215,7 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
     """
     from verl.workers.engine.spec import derive_dtensor_placement, translate_flat_indices
 
-    shards = registered_shards(state.module)
+    shards, groups = registered_shards(state.module), shard_groups(state.module)
     wait_for_offload_copies([master for _, master in shards.values()])
     for name, local, spec in weights:
         canonical = canonical_of(state, name)
@@ -234,7 +237,7 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
             master = stage_for_cast(got[1], local.device, state.caster.state_device(canonical))
             q = state.caster.cast(canonical, master, offset=offset)
         else:
-            full = served_full(state, canonical, spec.full_shape, local.device, shards).reshape(-1)
+            full = served_full(state, canonical, spec.full_shape, local.device, shards, groups).reshape(-1)
             if isinstance(place, int):
                 q = full[place: place + n]
             else:

@@ -30,6 +30,7 @@ def _state(monkeypatch, recorder, **cfg):
     caster = FairCaster(FairCastConfig(enabled=True, seed=1, **cfg))
     master = torch.linspace(-1, 1, N, dtype=torch.float32) / 3
     monkeypatch.setattr(engine, "registered_shards", lambda module: {"w": (0, master)})
+    monkeypatch.setattr(engine, "shard_groups", lambda module: {})  # the default group
     real_cast, real_fair_cast = caster.cast, engine.fair_cast
 
     def cast(name, m, **kw):

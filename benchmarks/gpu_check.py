@@ -270,7 +270,7 @@ def huge_tensor_vs_cpu(gen, *, n: int, offset: int, modes, aligned: bool) -> Non
             res.normal_(0.0, 1e-3)
             res0 = {st: res[st:st + span].to("cpu", copy=True) for st in starts}  # each chunk's, before the cast
         item = CastItem(out, x, K, offset, res)
-        flag = bool(tc._table_row(item, res is not None, DEV)[7])
+        flag = bool(tc._table_row(item, res is not None, x.device)[7])  # cuda:0, as cast_many passes it
         label = f"{n:,}-element tensor ({mode}, {'aligned' if aligned else 'unaligned'} @{offset})"
         check(f"{label}: the kernel's {'aligned' if aligned else 'unaligned'} branch is the one taken", flag == aligned)
         tc.cast_many([item], mode)

@@ -44,10 +44,20 @@ TOTAL_KEYS = ("n", "served_changed", "master_moved", "moved", "dev_along", "abs_
 
 
 def sample_positions(numel: int, sample: int, device) -> Optional[torch.Tensor]:
-    """Fixed, evenly spaced flat positions (None = all elements)."""
+    """Fixed, evenly spaced flat positions (None = all elements): ``round(i * (numel - 1) / (sample - 1))`` for
+    ``i < sample``, in exact int64 arithmetic, so the last one is ``numel - 1`` at any size. (A float32 ``linspace``
+    rounds ``numel - 1`` up to ``numel`` above 2**24 elements: one position past the end.)"""
+    if sample < 1:
+        raise ValueError(f"audit sample must be at least 1, got {sample}")
     if numel <= sample:
         return None
-    return torch.linspace(0, numel - 1, sample, device=device).round().to(torch.int64)
+    if sample == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    span = sample - 1
+    if 2 * span * (numel - 1) + span >= 2**63:  # the largest intermediate below must fit int64
+        raise ValueError(f"audit positions of {numel} elements at sample {sample} overflow int64: lower audit_sample")
+    i = torch.arange(sample, dtype=torch.int64, device=device)
+    return (2 * i * (numel - 1) + span) // (2 * span)  # round half up, all in int64
 
 
 def _async_copy_ok(device: torch.device) -> bool:

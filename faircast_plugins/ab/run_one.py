@@ -105,6 +105,8 @@ class EngineExport:
 
     def _served(self, step: int, masters: Dict[str, torch.Tensor], name: str, exported: torch.Tensor) -> torch.Tensor:
         cname = canonical_name(name)
+        if self.arm.frozen:
+            return next(iter(self.history.values()))[cname]  # the step-0 snapshot, whatever the step
         if self.arm.delay:
             snapshot = self.history[min(k for k in self.history if k >= step - self.arm.delay)]
             return snapshot[cname]
@@ -115,6 +117,8 @@ class EngineExport:
     def iterate(self, *args, **kwargs) -> Iterator[Tuple[str, torch.Tensor]]:
         step = self.trainer.state.global_step
         masters = _masters(self.trainer)
+        if self.arm.frozen and not self.history:
+            self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
         if self.arm.delay and step not in self.history:
             self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
             while len(self.history) > self.arm.delay + 1:

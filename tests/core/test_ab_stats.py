@@ -54,13 +54,15 @@ def test_default_pairs_put_the_aa_control_first():
 
 @pytest.mark.parametrize("name", ["standard", "faircast", "faircast-ef", "fp32-served", "fp32-delayed@20",
                                   "standard@lr=3e-6", "faircast@lr=1e-7", "export-only", "loss-only", "faircast-aa",
-                                  "sticky"])
+                                  "sticky", "fp32-frozen"])
 def test_arms_parse(name):
     assert parse_arm(name).name == name
 
 
 def test_arm_semantics():
     assert parse_arm("fp32-delayed@20").delay == 20 and parse_arm("fp32-delayed@20").engine_dtype == "float32"
+    assert parse_arm("fp32-frozen").frozen and parse_arm("fp32-frozen").engine_dtype == "float32"
+    assert not parse_arm("fp32-frozen").faircast and parse_arm("fp32-frozen@lr=1e-5").lr == 1e-5
     assert parse_arm("standard@lr=3e-6").lr == 3e-6 and not parse_arm("standard@lr=3e-6").faircast
     assert parse_arm("faircast-aa").seed_offset == AA_SEED_OFFSET
     assert parse_arm("loss-only").faircast and parse_arm("loss-only").mode == "nearest"

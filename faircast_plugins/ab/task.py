@@ -10,7 +10,7 @@ mismatch between the served and master policies compounds over more tokens), 20,
 
 For a pretrained language model (``--model smollm2``): ``word2``, two-step arithmetic word problems in English
 ("Mia has 47 stickers. She buys 6 packs with 8 stickers each. How many ..."), whose answer is a worked solution in
-one fixed format, ``6 * 8 = 48. 47 + 48 = 95. Answer: 95`` and a line break: about 20 tokens of reasoning that end in a verifiable
+one fixed format, ``6 * 8 = 48. 47 + 48 = 95. Answer: 95`` and a line break: about 28 tokens of reasoning that end in a verifiable
 number. Success means the completion starts with that whole solution, so the expected success stays exact (the
 teacher-forced probability of every reasoning and answer token) and a per-token mismatch between the served and
 master policies compounds over the chain. The prompt shows the format by three fixed worked examples.
@@ -91,7 +91,7 @@ def word2_problem(rng: random.Random) -> Problem:
 
 
 def word2_problems(seed: int = 0, heldout: int = 1000, count: int = 10_000) -> Tuple[List[Problem], List[Problem]]:
-    """``count`` distinct word problems drawn with ``seed`` (of ~20,000 possible); the first ``heldout`` held out,
+    """``count`` distinct word problems drawn with ``seed`` (of ~84,000 possible); the first ``heldout`` held out,
     the rest for training."""
     rng, seen, problems = random.Random(seed), set(), []
     while len(problems) < count:

@@ -289,10 +289,14 @@ def markdown(results: dict, proto) -> str:
     aa = next((c for c in results["comparisons"][proto.metric] if c["a"] == "faircast-aa"), None)
     if aa:
         aa = stats.PairResult.from_dict(aa)
-        lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points, 95% "
-                  f"paired-t CI [{100 * aa.t_ci_low:+.3f}, {100 * aa.t_ci_high:+.3f}], "
-                  f"{'contains' if aa.ci_contains_zero else '**does not contain**'} 0; its sd of paired "
-                  f"differences ({100 * aa.sd_diff:.3f} points) is the noise floor for the pairs above.", ""]
+        if math.isnan(aa.t_ci_low):
+            lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points over "
+                      f"{aa.n} seed(s): no interval with fewer than 2 seeds.", ""]
+        else:
+            lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points, 95% "
+                      f"paired-t CI [{100 * aa.t_ci_low:+.3f}, {100 * aa.t_ci_high:+.3f}], "
+                      f"{'contains' if aa.ci_contains_zero else '**does not contain**'} 0; its sd of paired "
+                      f"differences ({100 * aa.sd_diff:.3f} points) is the noise floor for the pairs above.", ""]
     lc = results.get("lag_cost")
     if lc:
         lines += ["## Lag cost: is the standard export a delayed policy?", "",

@@ -123,6 +123,7 @@ class Grid:
         self.failed: List[str] = []
         self.retries: List[dict] = []   # every failed attempt that was retried
         self.ran: List[str] = []        # every run this session started
+        self.on_progress: Callable[[], None] = lambda: None  # called (under the lock) whenever a run starts or ends
         self.slots: "queue.Queue[int]" = queue.Queue()
         for i in range(workers):
             self.slots.put(i)
@@ -142,6 +143,7 @@ class Grid:
         t0 = time.time()
         with self.lock:
             self.ran.append(name)
+            self.on_progress()
         rc = self._attempt(base, spec["threads"])
         if rc != 0:  # one retry: parallel runs on one host can lose a rendezvous-port race
             os.replace(base + ".log", base + ".failed.log")
@@ -156,6 +158,7 @@ class Grid:
             if rc != 0:
                 self.failed.append(name)
                 self.log(f"FAILED {name} (exit {rc}); log: {base}.log")
+            self.on_progress()
             self.log(f"[{self.done}/{self.total}] {name} finished in {time.time() - t0:.0f} s; "
                      f"elapsed {elapsed / 60:.1f} min, about {eta / 60:.1f} min left")
 
@@ -241,15 +244,20 @@ def run_ab(proto: Protocol, out: str, log: Callable[[str], None] = print,
         f"{proto.lr:g}, {proto.workers} at a time")
     grid = Grid(out, proto.workers, log)
 
+    def progress() -> None:  # on record as it happens: a session killed mid-grid still says what it ran
+        session.update(ran=list(grid.ran), retries=list(grid.retries), failed=list(grid.failed))
+        _save_sessions(out, sessions)
+
     def started(resumed: List[str]) -> None:
         session["resumed_past"] = resumed
         _save_sessions(out, sessions)
 
+    grid.on_progress = progress
     try:
         failed = grid.run(jobs, on_start=started)
     finally:
-        session.update(finished=utc_now(), ran=grid.ran, retries=grid.retries, failed=list(grid.failed))
-        _save_sessions(out, sessions)
+        session["finished"] = utc_now()
+        progress()
     return failed, ws_info, model
 
 

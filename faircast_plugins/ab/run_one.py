@@ -239,8 +239,27 @@ class EngineEval:
         return out
 
     def master(self) -> dict:
-        self.master_model.load_state_dict(_masters(self.trainer), strict=True)
+        load_masters(self.master_model, _masters(self.trainer))
         return score_model(self.master_model, self.enc)
+
+
+def load_masters(model, masters: Dict[str, torch.Tensor]) -> None:
+    """Load the fp32 masters into ``model``: every parameter must be given; a tied alias (SmolLM2's ``lm_head.weight``
+    is its ``embed_tokens.weight``) is filled through the parameter it shares, and nothing else may be missing."""
+    result = model.load_state_dict(masters, strict=False)
+    params = {n for n, _ in model.named_parameters()}  # tied aliases appear once here, under their first name
+    missing = [k for k in result.missing_keys if k in params or not _is_tied_alias(model, k)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"the masters do not match the scoring model: missing {missing[:5]}, unexpected "
+                           f"{list(result.unexpected_keys)[:5]}")
+
+
+def _is_tied_alias(model, key: str) -> bool:
+    ptrs = {p.data_ptr() for _, p in model.named_parameters()}
+    try:
+        return model.get_parameter(key).data_ptr() in ptrs
+    except AttributeError:
+        return False
 
 
 def adam_second_moment_mean(optimizer) -> float:

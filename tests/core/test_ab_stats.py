@@ -415,3 +415,21 @@ def test_report_uses_the_t_test_holm_family_margin_and_records_sessions(tmp_path
     report = (tmp_path / "report.md").read_text()
     assert "started 2026-12-04T16:00:00+00:00" in report and "1 retried" in report and "standard seed 0 (exit 3" in report
     assert "pre-declared in the protocol" in report and "TOST" in report and "95% CI (paired t)" in report
+
+
+def test_masters_load_into_a_tied_model_and_nothing_else_may_be_missing():
+    """SmolLM2 ties lm_head to the embedding: the masters (named once) load, a truly missing tensor is refused."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from faircast_plugins.ab.run_one import load_masters
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    masters = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    assert "lm_head.weight" not in masters
+    load_masters(model, masters)
+    assert float(model.lm_head.weight.mean()) == 0.5
+    masters.pop("model.norm.weight")
+    with pytest.raises(RuntimeError, match="missing \\['model.norm.weight'\\]"):
+        load_masters(model, masters)

@@ -433,3 +433,17 @@ def test_masters_load_into_a_tied_model_and_nothing_else_may_be_missing():
     masters.pop("model.norm.weight")
     with pytest.raises(RuntimeError, match="missing \\['model.norm.weight'\\]"):
         load_masters(model, masters)
+
+
+def test_ab_stats_margin_adds_the_equivalence_test(tmp_path, capsys):
+    runs = []
+    for seed in range(4):
+        for arm, bump in (("standard", 0.0), ("faircast", 0.0001 * (seed % 2))):
+            f = tmp_path / f"{arm}{seed}.jsonl"
+            f.write_text("".join(json.dumps({"step": s, "acc": 0.3 + 0.01 * seed + bump}) + "\n" for s in range(5)))
+            runs += ["--run", f"{arm}:{seed}:{f}"]
+    assert faircast(["ab-stats", "--metric", "acc", "--margin", "0.01", *runs]) == 0
+    out = capsys.readouterr().out
+    assert "equivalent within ±0.01 (TOST p)" in out and "| yes (" in out
+    with pytest.raises(SystemExit, match="--margin must be > 0"):
+        faircast(["ab-stats", "--metric", "acc", "--margin", "0", *runs])

@@ -118,7 +118,9 @@ def test_smollm2_smoke_preset_runs_the_real_model_on_word_problems(tmp_path):
     for r in res["runs"]:
         for m in ("served_expected", "master_expected", "rtn_expected", "sr_expected", "sticky_expected"):
             assert 0.0 <= r[m] <= 1.0, m
-        assert r["rtn_is_served"] is (r["arm"] == "standard") and r["sr_is_served"] is (r["arm"] == "faircast")
+        # each arm's own export is its readout bit for bit (the other readouts may coincide: a step whose groups
+        # all got the same reward leaves the masters on the bf16 grid, where every export is the same)
+        assert r["rtn_is_served"] if r["arm"] == "standard" else r["sr_is_served"]
     run0 = json.loads((out / "runs" / "standard" / "seed0.json").read_text())
     assert "faircast/served_changed_frac" in run0["steps"][-1] and os.path.isdir(run0["spec"]["model"])
 

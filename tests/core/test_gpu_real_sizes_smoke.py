@@ -32,3 +32,14 @@ def test_every_bf16_amax_blocks():
             "print(a.unique().numel(), int((a > 0).sum()), tuple(m.shape))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.stdout.split() == ["32512", "32512", "(32768,", "16256)"], proc.stdout + proc.stderr
+
+
+def test_offload_state_cost_cpu_smoke(tmp_path):
+    """benchmarks/offload_state_cost.py --cpu-smoke (findings 5 and 6's before/after benchmark): its rows, on CPU."""
+    out = tmp_path / "cost.json"
+    proc = subprocess.run([sys.executable, "benchmarks/offload_state_cost.py", "--cpu-smoke", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [r["what"].split(":")[0] for r in data["finding6_ema_copy"]] == ["before", "after"]
+    assert [r["what"].split(":")[0] for r in data["finding5_ef_export"]] == ["before", "after"]

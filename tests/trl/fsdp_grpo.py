@@ -46,7 +46,10 @@ from faircast_plugins import derive_key, fair_cast  # noqa: E402
 from faircast_plugins.key import canonical_name  # noqa: E402
 
 SEED = 4321
-STEPS = 3
+# FAIRCAST_TEST_REAL_MODEL=1 (tests/realmodel): a real model, so 2 steps of 2 prompts x 2 completions of 4 tokens,
+# no checkpoint, and the full masters left out of the result file (540 MB per version at 135M parameters).
+REAL = os.environ.get("FAIRCAST_TEST_REAL_MODEL") == "1"
+STEPS = 2 if REAL else 3
 
 
 def full_masters(model):
@@ -176,10 +179,11 @@ else:
     extra = {}
     gen_args = dict(gradient_accumulation_steps=1, steps_per_generation=2, beta=0.0)  # 2 optimizer steps per generation
 args = config_class(
-    output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+    output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=2 if REAL else 4,
+    num_generations=2 if REAL else 4, max_completion_length=4 if REAL else 8,
     max_steps=STEPS, learning_rate=1e-4, bf16=True, use_cpu=True, report_to="none",
     # the plain GRPO run also saves a checkpoint at step 2 (FSDP's full state dict + Fair Cast state)
-    save_strategy="steps" if not variant else "no", save_steps=2, save_only_model=True,
+    save_strategy="steps" if not (variant or REAL) else "no", save_steps=2, save_only_model=True,
     logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0,
     **gen_args, **extra,
     fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "reshard_after_forward": True},
@@ -219,7 +223,7 @@ torch.save({
     "forwards": recorder.forwards, "logp_calls": recorder.logp_calls, "checked": recorder.checked,
     "mismatches": recorder.mismatches[:50],
     "n_mismatches": len(recorder.mismatches), "differs_from_nearest": recorder.differs_from_nearest,
-    "masters": recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
+    "masters": {} if REAL else recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
     "export_dtypes": export_dtypes, "streamed": streamed, "output_dir": args.output_dir, "logs": logs,
     "trainer": type(trainer).__name__,
 }, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))

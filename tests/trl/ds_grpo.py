@@ -262,7 +262,9 @@ def run(scenario: str) -> None:
         faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
         faircast_resume_without_state=(role == "fresh"), faircast_audit=REAL, **extra,
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
+    from helpers import length_reward
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward if REAL else cat_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     recorder = Recorder(trainer)
     trainer.add_callback(recorder)

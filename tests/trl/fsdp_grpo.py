@@ -197,7 +197,9 @@ if is_async:
 
     injected = dict(processing_class=AutoTokenizer.from_pretrained(model_dir), rollout_worker=StubRolloutWorker(),
                     weight_transfer=RecordingTransfer())
-trainer = trainer_class(model=model_dir, reward_funcs=cat_reward, args=args,
+from helpers import length_reward  # noqa: E402
+
+trainer = trainer_class(model=model_dir, reward_funcs=length_reward if REAL else cat_reward, args=args,
                         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder], **injected)
 recorder.trainer = trainer
 if is_async:

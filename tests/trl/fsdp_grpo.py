@@ -84,12 +84,12 @@ class Recorder(TrainerCallback):
                 self.expected[key] = fair_cast(master, key=derive_key(SEED, version, name), mode=mode, backend="torch")
         return self.expected[key]
 
-    def hook(self, prefix, names):
+    def hook(self, names):
+        """``names``: (attribute, canonical name of the parameter) pairs of one leaf module (a tied weight: its owner's)."""
         def pre_forward(module, args):
-            for n in names:
+            for n, name in names:
                 t = getattr(module, n).detach()
                 t = t.to_local() if hasattr(t, "to_local") else t
-                name = canonical_name(f"{prefix}.{n}" if prefix else n)
                 want = self.want(self.version, name)
                 self.checked += 1
                 if t.dtype != torch.bfloat16 or not torch.equal(t, want):
@@ -105,10 +105,11 @@ class Recorder(TrainerCallback):
         model = self.trainer.model
         self.fsdp_types = sorted({type(m).__name__ for m in model.modules() if "FSDP" in type(m).__name__})
         self.masters[0] = full_masters(model)
+        owner = {id(p): canonical_name(n) for n, p in model.named_parameters()}  # tied: lm_head -> embed_tokens
         for prefix, sub in model.named_modules():
-            names = [n for n, _ in sub.named_parameters(recurse=False)]
+            names = [(n, owner[id(p)]) for n, p in sub.named_parameters(recurse=False, remove_duplicate=False)]
             if names and not list(sub.children()):
-                sub.register_forward_pre_hook(self.hook(prefix, names))
+                sub.register_forward_pre_hook(self.hook(names))
         inner = getattr(model, "model", model)
         inner.register_forward_pre_hook(self.count)
         logps = getattr(self.trainer, "_get_per_token_logps_and_entropies", None)

@@ -22,6 +22,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or impo
 STEPS = 2
 
 
+@pytest.fixture(autouse=True)
+def _isolated_environment():
+    """TRL's colocated vLLM sets RANK/WORLD_SIZE/MASTER_PORT in this process: undo it, or the tier's later
+    subprocesses (DeepSpeed, torchrun) start a process group on the port this process still holds."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def run(model_dir, out, **flags):
     from datasets import Dataset
     from trl import GRPOTrainer

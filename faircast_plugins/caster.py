@@ -62,6 +62,16 @@ def _ema_step(m: torch.Tensor, x: torch.Tensor, decay: float) -> None:
     m.add_(d)
 
 
+def _beside(t: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Per-element state kept next to ``master``: on its device, and pinned when the master is pinned host memory
+    (FSDP CPU offload), so its copies to the GPU stay asynchronous like the master's."""
+    if t.device != master.device:
+        t = t.to(master.device)
+    if t.device.type == "cpu" and master.is_pinned() and not t.is_pinned():
+        t = t.pin_memory()
+    return t
+
+
 class _Residual:
     """Error-feedback state of one parameter (or shard): residual entering ``version``, and the last served copy."""
 
@@ -109,10 +119,16 @@ class FairCaster:
         name = canonical_name(name)
         m = self._ema.get(name)
         if m is None:
-            m = self._ema[name] = master.detach().clone()
-        elif m.device != master.device:  # e.g. restored on the CPU: move it once, not at every cast
-            m = self._ema[name] = m.to(master.device)
+            m = self._ema[name] = _beside(master.detach().clone(), master)
+        elif m.device != master.device or m.device.type == "cpu":  # e.g. restored on the CPU: moved (pinned) once
+            m = self._ema[name] = _beside(m, master)
         return m
+
+    def state_device(self, name: str) -> Optional[torch.device]:
+        """Where ``name``'s per-element state (error-feedback residual, EMA) lives, or None without any yet."""
+        name = canonical_name(name)
+        state = self._ema.get(name) if self.ema_on else getattr(self._ef.get(name), "residual", None)
+        return None if state is None else state.device
 
     def has_ema(self, name: str) -> bool:
         return canonical_name(name) in self._ema
@@ -131,14 +147,14 @@ class FairCaster:
         m = self._ema.get(cname)
         if m is None:
             init = master if start is None else start
-            m = self._ema[cname] = init.detach().to(device=master.device, dtype=torch.float32, copy=True)
+            m = self._ema[cname] = _beside(init.detach().to(device=master.device, dtype=torch.float32, copy=True), master)
         elif m.shape != master.shape:
             raise ValueError(
                 f"the EMA of {cname} has shape {tuple(m.shape)}, its master {tuple(master.shape)}: the EMA is per-rank "
                 f"state of this rank's shard; resume with the same sharding (ZeRO stage and world size)"
             )
-        elif m.device != master.device:
-            m = self._ema[cname] = m.to(master.device)
+        elif m.device != master.device or m.device.type == "cpu":
+            m = self._ema[cname] = _beside(m, master)
         _ema_step(m, master, self.config.ema_decay)
         return m
 
@@ -196,18 +212,19 @@ class FairCaster:
     def _cast_error_feedback(self, name: str, src: torch.Tensor, offset: int, out: Optional[torch.Tensor]) -> torch.Tensor:
         state = self._ef.get(name)
         if state is None:
-            state = self._ef[name] = _Residual(torch.zeros_like(src, dtype=torch.float32), self.version, offset)
+            state = self._ef[name] = _Residual(_beside(torch.zeros_like(src, dtype=torch.float32), src), self.version,
+                                               offset)
         if state.offset != offset or state.residual.shape != src.shape:
             raise ValueError(
                 f"error-feedback residual for {name} belongs to a shard at offset {state.offset} with shape "
                 f"{tuple(state.residual.shape)}; got offset {offset}, shape {tuple(src.shape)}. The residual is "
                 f"per-rank state: resume with the same sharding, or use mode='stochastic' or 'sticky'."
             )
-        if state.residual.device != src.device:
-            state.residual = state.residual.to(src.device)
+        if state.residual.device != src.device or src.device.type == "cpu":
+            state.residual = _beside(state.residual, src)
         if state.version == self.version + 1 and state.served is not None:
             if state.served.device != src.device:
-                state.served = state.served.to(src.device)
+                state.served = _beside(state.served, src)
             q = state.served  # this version was already cast: same bits again
             if out is not None:
                 out.copy_(q)
@@ -220,7 +237,7 @@ class FairCaster:
             )
         q = fair_cast(src, key=0, mode="error_feedback", residual=state.residual, backend=self.config.backend, out=out)
         state.version = self.version + 1
-        state.served = q.detach().clone()
+        state.served = _beside(q.detach().clone(), src)
         return q
 
     # -- weight version -------------------------------------------------------------------------------------
@@ -239,9 +256,9 @@ class FairCaster:
                 cname = canonical_name(name)
                 m = self._ema.get(cname)
                 if m is None:
-                    m = self._ema[cname] = x.detach().clone()
-                elif m.device != x.device:  # keep the EMA on the master's device (as update_ema does)
-                    m = self._ema[cname] = m.to(x.device)
+                    m = self._ema[cname] = _beside(x.detach().clone(), x)
+                elif m.device != x.device or m.device.type == "cpu":  # on the master's device (as update_ema does)
+                    m = self._ema[cname] = _beside(m, x)
                 for _ in range(steps):
                     _ema_step(m, x, self.config.ema_decay)
         if self.mode == "error_feedback" and steps > 1:

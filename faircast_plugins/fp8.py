@@ -5,10 +5,15 @@ verl 0.9.1 quantizes each weight its fp8 vLLM engine receives with ``scaled_fp8_
 zero-padded), per block ``scale = 448 / amax`` (1 for an all-zero or infinite block), ``descale = 1 / scale``,
 ``clamp(x * scale, -448, 448)`` cast to ``float8_e4m3fn`` (round to nearest even). :func:`quantize_blockwise`
 repeats those operations, in that order, so its bytes and descales are verl's PyTorch path's bit for bit
-(``tests/verl/test_fp8_rollout.py`` checks it against verl's own function on several shapes). verl's Triton
-kernel computes ``descale = max(amax, 1e-10) / 448`` and ``scale = 1 / descale`` instead, which can differ in the
-last bit of a scale; this emulation follows the PyTorch path (the one that runs on CPU, and with
-``VERL_DISABLE_TRITON_FP8=1``).
+(``tests/verl/test_fp8_rollout.py`` checks it against verl's own function on several shapes).
+
+verl's rollout takes its Triton kernel instead wherever triton imports (every GPU machine) unless
+``VERL_DISABLE_TRITON_FP8=1``. That kernel computes ``descale = max(amax, 1e-10) / 448`` and ``scale = 1 /
+descale`` (:func:`descale_triton`, ``scales="verl-triton"``), whose descale differs from the PyTorch path's
+(:func:`descale_pytorch`) by one ulp in 32.9% of bf16 amax values. ``scales="verl-triton"`` emulates it with
+correctly rounded division; Triton's fp32 ``/`` on NVIDIA GPUs is ``div.full.f32`` (not correctly rounded), so the
+emulation is exact only where that division is: the verl adapter does not rely on it and calls verl's own
+quantizer (``faircast_plugins/verl/fp8.py``); benchmarks/gpu_check compares the two on a GPU.
 
 ``scales="pow2"`` is NOT verl's quantizer: it is this package's emulation of a power-of-two (E8M0 / UE8M0-style)
 block descale, ``descale = 2 ** ceil(log2(amax / 448))`` (so nothing clips), labelled as such wherever it is
@@ -27,7 +32,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 BLOCK = 128  # verl's weight_block_size [128, 128] (vllm_async_server.FP8_BLOCK_QUANT_KWARGS)
-SCALES = ("verl", "pow2")
+SCALES = ("verl", "verl-triton", "pow2")
+TRITON_EPS = 1e-10  # the floor verl's Triton kernel puts under a block's amax
 
 
 def _blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, int, int]:
@@ -44,10 +50,29 @@ def _check_scales(scales: str) -> None:
         raise ValueError(f"fp8 scales must be one of {', '.join(SCALES)}, got {scales!r}")
 
 
+def _pytorch_scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = torch.div(FP8_MAX, amax)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return torch.where(amax == torch.inf, torch.ones_like(scale), scale)
+
+
+def descale_pytorch(amax: torch.Tensor) -> torch.Tensor:
+    """verl's PyTorch quantizer's block descale of fp32 ``amax``: ``1 / (448 / amax)``, 1 for 0 or inf (its
+    quantization scale is ``448 / amax``)."""
+    return torch.reciprocal(_pytorch_scale(amax))
+
+
+def descale_triton(amax: torch.Tensor) -> torch.Tensor:
+    """verl's Triton quantizer's block descale of fp32 ``amax``: ``max(amax, 1e-10) / 448``, correctly rounded
+    (its quantization scale is ``1 / descale``). On a GPU Triton divides with ``div.full.f32``: compare there."""
+    return torch.div(torch.clamp_min(amax, TRITON_EPS), FP8_MAX)
+
+
 def quantize_blockwise(x: torch.Tensor, *, block: int = BLOCK,
                        scales: str = "verl") -> Tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 bytes of x's shape, descale of shape (ceil(rows/block), ceil(cols/block)))`` of a 2-D tensor, as verl
-    quantizes ``x.to(bfloat16)`` (``scales="verl"``) or with power-of-two descales (``"pow2"``, an emulation)."""
+    quantizes ``x.to(bfloat16)`` (``scales="verl"``: its PyTorch path; ``"verl-triton"``: its Triton kernel's
+    formula, correctly rounded) or with power-of-two descales (``"pow2"``, an emulation)."""
     _check_scales(scales)
     if x.dim() != 2:
         raise ValueError(f"blockwise fp8 quantization takes a 2-D tensor, got shape {tuple(x.shape)}")
@@ -55,10 +80,11 @@ def quantize_blockwise(x: torch.Tensor, *, block: int = BLOCK,
     data, br, bc = _blocks(x.to(torch.bfloat16), block)
     amax = data.abs().amax(dim=-1, keepdim=True)
     if scales == "verl":
-        scale = torch.div(FP8_MAX, amax)
-        scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-        scale = torch.where(amax == torch.inf, torch.ones_like(scale), scale)
+        scale = _pytorch_scale(amax)
         descale = torch.reciprocal(scale)
+    elif scales == "verl-triton":
+        descale = descale_triton(amax)
+        scale = torch.reciprocal(descale)
     else:
         ok = (amax > 0) & torch.isfinite(amax)
         exponent = torch.ceil(torch.log2(torch.where(ok, amax, torch.ones_like(amax)) / FP8_MAX))

@@ -89,6 +89,7 @@ class _ParamCast:
     offset: int
     numel: int
     keys: _KeyCache = field(default_factory=_KeyCache)
+    group: object = None  # the process group the parameter is sharded over (HSDP: one replica's shard group)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class _HandleCast:
     caster: FairCaster
     names: list
     keys: _KeyCache = field(default_factory=_KeyCache)
+    group: object = None  # FSDP1's sharding process group (HYBRID_SHARD: the intra-node one)
 
 
 class _Job(NamedTuple):
@@ -112,6 +114,17 @@ class _Job(NamedTuple):
 
 
 # -- the patched call sites ------------------------------------------------------------------------------------
+
+
+def stage_for_cast(master: torch.Tensor, device, state_device: Optional[torch.device] = None) -> torch.Tensor:
+    """A host master shard (verl's ``param_offload``) copied to the accelerator ``device`` the served copy is
+    wanted on, so the cast and its state (error-feedback residual, EMA) stay there, as at the all-gather: no host
+    cast, no state moving between host and device every step. Left on the host when its state lives there (FSDP's
+    own CPU offload casts on the host at every all-gather); anything else is returned as it is."""
+    if master.device.type == "cpu" and torch.device(device).type != "cpu" and \
+            (state_device is None or state_device.type != "cpu"):
+        return master.to(device, non_blocking=True)  # pinned (offloaded) masters: ordered on the current stream
+    return master
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -307,7 +320,8 @@ def _register_fsdp2(root: nn.Module, caster: FairCaster, names: Dict[int, str], 
                 if numel != fsdp_param._sharded_local_tensor.numel():
                     raise FairCastPatchError(f"FSDP2 shard of {name}: expected {numel} local elements, found "
                                              f"{fsdp_param._sharded_local_tensor.numel()}")
-                setattr(fsdp_param, _ATTR, _ParamCast(caster, name, offset, numel))
+                group = getattr(getattr(fsdp_param, "mesh_info", None), "shard_process_group", None)
+                setattr(fsdp_param, _ATTR, _ParamCast(caster, name, offset, numel, group=group))
                 registered[name] = name
     # Tied parameters: every name under which a registered parameter appears maps to its first name.
     for alias, param in root.named_parameters(remove_duplicate=False):
@@ -336,7 +350,7 @@ def _register_fsdp1(root: nn.Module, caster: FairCaster, trainable_only: bool) -
         if master.dtype != torch.float32:
             raise TypeError(f"Fair Cast needs fp32 master weights; FSDP1 flat parameter {prefix or '<root>'} holds "
                             f"{master.dtype}")
-        setattr(module._handle, _ATTR, _HandleCast(caster, names))
+        setattr(module._handle, _ATTR, _HandleCast(caster, names, group=getattr(module, "process_group", None)))
         registered.update({n: n for n in names if n is not None})
         # Tied parameters live once in a flat parameter; their other names are "shared" infos.
         for info in flat._shared_param_infos:
@@ -403,6 +417,27 @@ def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
     return {name: (offset, shard) for name, offset, shard, _ in _registered(root)}
 
 
+def shard_groups(root: nn.Module) -> Dict[str, object]:
+    """The process group each registered parameter of ``root`` is sharded over (``{canonical name: group}``, None
+    for the default group), including parameters with no elements on this rank: the group
+    :func:`assemble_served` gathers over (under HSDP one replica's shard group, not every rank)."""
+    groups: Dict[str, object] = {}
+    for module in root.modules():
+        handle = getattr(module, "_handle", None)
+        spec = getattr(handle, _ATTR, None) if handle is not None else None
+        if spec is not None:
+            groups.update({name: spec.group for name in spec.names if name is not None})
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in _param_groups(get_state()):
+            for fsdp_param in group.fsdp_params:
+                pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
+                if pspec is not None:
+                    groups[pspec.name] = pspec.group
+    return groups
+
+
 def shard_layout(root: nn.Module) -> Dict[str, list]:
     """``{canonical name: [global offset, numel, full shape]}`` of this rank's registered shards: the layout a per-rank
     Fair Cast state file records (``export.merge_rank_states`` puts the ranks' states back together with it)."""
@@ -415,21 +450,22 @@ def shard_layout(root: nn.Module) -> Dict[str, list]:
 _LAYOUTS: "weakref.WeakKeyDictionary[FairCaster, Dict[tuple, List[Tuple[int, int]]]]" = weakref.WeakKeyDictionary()
 
 
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor) -> None:
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
     dist = torch.distributed
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name since torch 2.13
-    gather(output, tensor)
+    gather(output, tensor, group=group)
 
 
 def _shard_layout_of(caster: FairCaster, name: str, shape: tuple, mine: Tuple[int, int], device, world: int,
-                     rank: int) -> List[Tuple[int, int]]:
-    """Every rank's ``(global offset, numel)`` of ``name``: one small all-gather at the first assembly, then cached."""
+                     rank: int, group=None) -> List[Tuple[int, int]]:
+    """Every rank's ``(global offset, numel)`` of ``name`` in ``group``: one small all-gather at the first assembly,
+    then cached."""
     cache = _LAYOUTS.setdefault(caster, {})
-    key = (name, shape, world)
+    key = (name, shape, world, id(group))
     layout = cache.get(key)
     if layout is None:
         gathered = torch.empty(2 * world, dtype=torch.int64, device=device)
-        _all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device))
+        _all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group)
         layout = cache[key] = [tuple(pair) for pair in gathered.view(world, 2).tolist()]
     elif layout[rank] != mine:
         raise RuntimeError(
@@ -451,11 +487,13 @@ def _check_covered(name: str, numel: int, layout: List[Tuple[int, int]]) -> None
 
 @torch.no_grad()
 def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, torch.Tensor]], shape,
-                    device) -> torch.Tensor:
+                    device, group=None) -> torch.Tensor:
     """The full served bf16 copy of ``name``, put together from every rank's ``caster.cast`` of its own ``shard``
     (``(global offset, flat fp32 shard)`` from :func:`registered_shards`, or None when this rank holds none).
 
-    Collective over the default process group: every rank calls it for the same names in the same order. The ranks
+    Collective over ``group``, the group the parameter is sharded over (:func:`shard_groups`; None: the default
+    group; under HSDP one replica's shard group, so replicas do not resend the same shards): every rank calls it for
+    the same names in the same order. The ranks
     all-gather their served bf16 shards (padded to the largest) and each puts every rank's shard at its global
     offset (replicated shards carry equal bits). Which rank holds which elements is exchanged once per parameter
     (the first assembly after registration), so later exports move the bf16 bits only, with no host sync.
@@ -463,17 +501,18 @@ def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, to
     shape = tuple(shape)
     numel = math.prod(shape)
     dist = torch.distributed
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     q = None
     mine = (0, 0)
     if shard is not None:
         offset, master = shard
-        q = caster.cast(name, master, offset=offset).reshape(-1).to(device)
+        q = caster.cast(name, stage_for_cast(master, device, caster.state_device(name)),
+                        offset=offset).reshape(-1).to(device)
         mine = (offset, q.numel())
     if world == 1:
         layout = [mine]
     else:
-        layout = _shard_layout_of(caster, name, shape, mine, device, world, dist.get_rank())
+        layout = _shard_layout_of(caster, name, shape, mine, device, world, dist.get_rank(group), group)
     _check_covered(name, numel, layout)
     if not numel:
         return torch.empty(shape, dtype=torch.bfloat16, device=device)
@@ -484,7 +523,7 @@ def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, to
     if q is not None and send is not q:
         send[: q.numel()] = q
     gathered = torch.empty(world * width, dtype=torch.bfloat16, device=device)
-    _all_gather(gathered, send)
+    _all_gather(gathered, send, group)
     if all(n == max(0, min(width, numel - r * width)) and (not n or offset == r * width)
            for r, (offset, n) in enumerate(layout)):
         return gathered[:numel].view(shape)  # FSDP2's dim-0 chunks in rank order: the gathered buffer is the tensor
@@ -493,6 +532,23 @@ def assemble_served(caster: FairCaster, name: str, shard: Optional[Tuple[int, to
         if n:
             full[offset: offset + n] = gathered[r * width: r * width + n]
     return full.view(shape)
+
+
+def uneven_shards(root) -> List[str]:
+    """Names of the FSDP2 (DTensor) parameters whose sharded dimension the shard group does not divide: FSDP2 pads
+    their shards, and re-pads the short ones with a host copy whenever the module moves (``FSDPParam.
+    reset_sharded_param``). Decided from the global shape, so every rank gives the same answer."""
+    found = []
+    for name, p in root.named_parameters():
+        placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
+        if placements is None or mesh is None:
+            continue
+        for mesh_dim, placement in enumerate(placements):
+            dim = getattr(placement, "dim", None)
+            if placement.is_shard() and dim is not None and p.shape[dim] % mesh.size(mesh_dim):
+                found.append(name)
+                break
+    return found
 
 
 def unregister_fsdp_module(root: nn.Module) -> None:
@@ -514,6 +570,7 @@ __all__ = [
     "TORCH_SPECIFIER",
     "apply_fsdp_cast_patches",
     "assemble_served",
+    "shard_groups",
     "register_fsdp_module",
     "registered_shards",
     "remove_fsdp_cast_patches",

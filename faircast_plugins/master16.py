@@ -23,7 +23,7 @@ once per process before its first use.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 
@@ -134,30 +134,42 @@ def _self_check(module, device: torch.device) -> None:
                                "backend='torch'")
 
 
+def _low16_for(x: torch.Tensor, low16: Optional[torch.Tensor]) -> torch.Tensor:
+    n = x.numel()
+    if low16 is None or low16.numel() != n or low16.device != x.device or low16.dtype != torch.int16 \
+            or low16.dim() != 1 or not low16.is_contiguous():
+        low16 = torch.empty(n, dtype=torch.int16, device=x.device)
+    return low16
+
+
+def _fused_compact(x: torch.Tensor, low16: torch.Tensor, found: int, kernels, key: Optional[int],
+                   mode: str) -> Compact:
+    """The compact state after a fused compaction counted ``found`` misses (the masters ``x`` still intact)."""
+    bits = x.view(torch.int32)
+    index = torch.nonzero(stochastic_misses(bits)).reshape(-1) if found else torch.zeros(0, dtype=torch.int64,
+                                                                                         device=x.device)
+    if index.numel() != found:
+        raise RuntimeError(f"{kernels.__name__} counted {found} elements the carry rule misses, the reference "
+                           f"{index.numel()}: pass backend='torch' and report this")
+    return Compact(low16, index, x[index].clone(), key, mode)
+
+
 def compact(master: torch.Tensor, served: torch.Tensor, *, key: Optional[int], mode: str, backend: str = "auto",
             low16: Optional[torch.Tensor] = None) -> Compact:
     """The compact form of fp32 ``master`` whose served copy (bf16, or bf16 values in fp32) is ``served``; the served
-    copy of a stochastic-rule mode must come from ``fair_cast(master, key=key, mode=mode)`` with global indices from 0.
-    ``low16`` (int16, flat): a buffer to reuse."""
+    copy of a stochastic-rule mode must come from ``fair_cast(master, key=key, mode=mode)`` with global indices from 0
+    (it is read only under ``nearest``). ``low16`` (int16, flat): a buffer to reuse."""
     if mode not in COMPACT_MODES:
         raise ValueError(f"a master cannot be kept in 2 B under mode {mode!r}; compact modes: {COMPACT_MODES}")
     x = master.detach().reshape(-1)
     bits = x.view(torch.int32)
     n = x.numel()
-    if low16 is None or low16.numel() != n or low16.device != x.device or low16.dtype != torch.int16 \
-            or low16.dim() != 1 or not low16.is_contiguous():
-        low16 = torch.empty(n, dtype=torch.int16, device=x.device)
+    low16 = _low16_for(x, low16)
     kernels = _kernels(backend, x.device, mode)
     if kernels is not None:
-        found = kernels.compact(low16, bits)
-        index = torch.nonzero(stochastic_misses(bits)).reshape(-1) if found else torch.zeros(0, dtype=torch.int64,
-                                                                                             device=x.device)
-        if index.numel() != found:
-            raise RuntimeError(f"{kernels.__name__} counted {found} elements the carry rule misses, the reference "
-                               f"{index.numel()}: pass backend='torch' and report this")
-        return Compact(low16, index, x[index].clone(), key, mode)
+        return _fused_compact(x, low16, int(kernels.compact(low16, bits)), kernels, key, mode)
     misses = []
-    q = served.detach().reshape(-1)
+    q = served.detach().reshape(-1) if mode == "nearest" else None
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
         b = bits[s:e]
@@ -170,6 +182,34 @@ def compact(master: torch.Tensor, served: torch.Tensor, *, key: Optional[int], m
         misses.append(torch.nonzero(miss).reshape(-1) + s)
     index = torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64, device=x.device)
     return Compact(low16, index, x[index].clone(), key, mode)
+
+
+def compact_all(masters: Mapping[str, torch.Tensor], *, keys: Mapping[str, Optional[int]], mode: str,
+                backend: str = "auto", buffers: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, Compact]:
+    """:func:`compact` of every master of a step under a stochastic-rule ``mode`` (the served copies are not needed),
+    with the fused kernels' miss counts read from the device once for all of them: one host sync per step, not one
+    per parameter. Call it while the masters are intact (before the parameters take their served copies): the
+    exceptions are read from them. ``buffers``: low halves to reuse, by name."""
+    if mode not in STOCHASTIC_RULE:
+        raise ValueError(f"compact_all takes a stochastic-rule mode {STOCHASTIC_RULE}, got {mode!r}")
+    out: Dict[str, Compact] = {}
+    pending = []
+    for name, master in masters.items():
+        x = master.detach().reshape(-1)
+        low16 = _low16_for(x, (buffers or {}).get(name))
+        kernels = _kernels(backend, x.device, mode)
+        if kernels is None:  # the torch reference: chunked, one nonzero per chunk
+            out[name] = compact(x, None, key=keys[name], mode=mode, backend=backend, low16=low16)
+        else:
+            pending.append((name, x, low16, kernels, kernels.compact(low16, x.view(torch.int32), read=False)))
+    counts = [c for _, _, _, _, c in pending]
+    on_device = [i for i, c in enumerate(counts) if isinstance(c, torch.Tensor)]
+    if on_device:  # the one host read
+        for i, v in zip(on_device, torch.cat([counts[i].reshape(1) for i in on_device]).tolist()):
+            counts[i] = v
+    for (name, x, low16, kernels, _), found in zip(pending, counts):
+        out[name] = _fused_compact(x, low16, int(found), kernels, keys[name], mode)
+    return {name: out[name] for name in masters}
 
 
 def recover_(p: torch.Tensor, c: Compact, backend: str = "auto") -> torch.Tensor:

@@ -11,6 +11,8 @@ an integer ``k`` (``fp32-delayed@k`` only). Bases:
 ``sticky``          Fair Cast with sticky rounding (where the installed package has that mode)
 ``fp32-served``     the engine serves the fp32 master itself (no rounding anywhere): what the LR can do at all
 ``fp32-delayed@k``  the engine serves the fp32 master from k steps ago: the standard export as a pure delay?
+``fp32-frozen``     the engine serves the fp32 master of step 0 for the whole run (one snapshot kept): the
+                    positive control, a sampler that never learns against ``fp32-served`` (a fresh one)
 ``export-only``     ablation: unbiased (stochastic) export, loss on the fp32 master
 ``loss-only``       ablation: round-to-nearest export, loss on the served (round-to-nearest) copy
 ``standard-fp8``    ``standard``, then verl's fp8 stage: the engine serves the dequantized blockwise-e4m3 copy
@@ -42,6 +44,7 @@ class Arm:
     lr: Optional[float] = None       # None: the protocol's learning rate
     engine_dtype: str = "bfloat16"   # what the vLLM engine holds
     delay: int = 0                   # serve the master from this many steps ago (fp32 engine)
+    frozen: bool = False             # serve the master of step 0 for the whole run (fp32 engine)
     export: str = "trainer"          # "trainer": what TRL (+ the adapter) exports; "stochastic": SR of the master
     fp8: bool = False                # then verl's fp8 stage; the (fp32) engine holds the dequantized fp8 copy
 
@@ -58,6 +61,7 @@ BASES = {
     "sticky": Arm("sticky", faircast=True, mode="sticky"),
     "fp32-served": Arm("fp32-served", engine_dtype="float32"),
     "fp32-delayed": Arm("fp32-delayed", engine_dtype="float32"),
+    "fp32-frozen": Arm("fp32-frozen", engine_dtype="float32", frozen=True),
     "export-only": Arm("export-only", export="stochastic"),
     "loss-only": Arm("loss-only", faircast=True, mode="nearest"),
     "standard-fp8": Arm("standard-fp8", engine_dtype="float32", fp8=True),

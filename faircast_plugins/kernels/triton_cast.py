@@ -162,7 +162,7 @@ def _cast_many_kernel(table_ptr, starts_ptr, ROWS: tl.constexpr, SEARCH_STEPS: t
 @triton.jit
 def _philox_kernel(counters_ptr, key_ptr, out_ptr, n, BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
     """Philox of ``n`` counters (int64 [n, 4] holding uint32 words) into int64 [n, 4]: for known-answer tests."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: offs * 4 passes 2**31 from 2**29
     mask = offs < n
     c0 = tl.load(counters_ptr + offs * 4 + 0, mask=mask, other=0).to(tl.uint32)
     c1 = tl.load(counters_ptr + offs * 4 + 1, mask=mask, other=0).to(tl.uint32)

@@ -4,7 +4,8 @@
   ``carry = (low + noise) >> 16``; the noise comes from the cast kernel's own Philox tile function (tiles of ``ROWS``
   groups aligned to the global index, as in :mod:`faircast_plugins.kernels.triton_cast`).
 * :func:`compact`: ``low16 <- bits & 0xFFFF`` and a device-side count of the elements the carry rule misses (NaN,
-  finite magnitudes the cast may saturate); reading that count is the one host sync, as ``torch.nonzero`` was.
+  finite magnitudes the cast may saturate), kept on the device until the caller reads it (``compact_all``: once
+  per step for every parameter).
 
 The torch reference is :mod:`faircast_plugins.master16`; tests compare the two under ``TRITON_INTERPRET=1``.
 """
@@ -81,8 +82,10 @@ def recover_(bits: torch.Tensor, low16: torch.Tensor, *, key: int, offset: int =
             num_warps=DEFAULT_NUM_WARPS)
 
 
-def compact(low16: torch.Tensor, bits: torch.Tensor) -> int:
-    """``low16 <- bits & 0xFFFF`` (flat int16 / int32); returns how many elements the stochastic carry rule misses."""
+def compact(low16: torch.Tensor, bits: torch.Tensor, *, read: bool = True):
+    """``low16 <- bits & 0xFFFF`` (flat int16 / int32); returns how many elements the stochastic carry rule misses:
+    an int (``read``: a host sync), or the count on the device (``read=False``: :func:`master16.compact_all` reads
+    a whole step's counts at once)."""
     _check(bits, low16)
     n = bits.numel()
     misses = torch.zeros(1, dtype=torch.int32, device=bits.device)
@@ -90,4 +93,4 @@ def compact(low16: torch.Tensor, bits: torch.Tensor) -> int:
         block = 1 << 16 if interpreting() else 2048
         _launch(_compact_kernel, (triton.cdiv(n, block),), low16, bits, misses, _meta([n], bits.device), BLOCK=block,
                 num_warps=DEFAULT_NUM_WARPS)
-    return int(misses.item())
+    return int(misses.item()) if read else misses

@@ -35,9 +35,10 @@ _HELP = {
     "faircast_backend": "Fair Cast kernel: 'auto' (Triton on CUDA, numba on CPU), 'torch', 'triton' or 'cpu'.",
     "faircast_master_bytes": (
         "Fair Cast, one process/DDP with stochastic, sticky or nearest: bytes per parameter kept for the fp32 masters. "
-        "2 (default): their low 16 bits beside the served copy, recovered bit for bit around each optimizer step (one "
+        "2: their low 16 bits beside the served copy, recovered bit for bit around each optimizer step (one "
         "fused pass each way, ~4 ns/param per step on one CPU thread); 4: a full fp32 copy (no recovery, +2 B/param "
-        "more). Same bits either way."
+        "more). Same bits either way. Unset (default): 2 for stochastic and sticky, 4 for nearest (which has no "
+        "fused compaction: 2 would run its chunked torch reference every step)."
     ),
     "faircast_resume_without_state": (
         "Fair Cast: resume from a checkpoint that has no Fair Cast state, starting the error-feedback residuals or "
@@ -58,7 +59,7 @@ class FairCastArguments:
     faircast_audit_sample: int = field(default=4096, metadata={"help": _HELP["faircast_audit_sample"]})
     faircast_backend: str = field(default="auto", metadata={"help": _HELP["faircast_backend"]})
     faircast_resume_without_state: bool = field(default=False, metadata={"help": _HELP["faircast_resume_without_state"]})
-    faircast_master_bytes: int = field(default=2, metadata={"help": _HELP["faircast_master_bytes"]})
+    faircast_master_bytes: Optional[int] = field(default=None, metadata={"help": _HELP["faircast_master_bytes"]})
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FairCastArguments))
@@ -90,8 +91,10 @@ def _post_init(self) -> None:
     self.faircast_master_bytes = master_bytes(self.faircast_master_bytes)
 
 
-def master_bytes(value) -> int:
-    """``faircast_master_bytes`` checked: 2 or 4 (an int, or its string from a YAML/CLI)."""
+def master_bytes(value) -> Optional[int]:
+    """``faircast_master_bytes`` checked: 2 or 4 (an int, or its string from a YAML/CLI), or None (unset: by mode)."""
+    if value is None:
+        return None
     try:
         parsed = int(str(value).strip())
     except ValueError:

@@ -1,12 +1,14 @@
 """Reading ``actor_rollout_ref.faircast`` from a verl worker config."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from ..config import FairCastConfig, parse_bool
 
-#: Strategies whose bf16 compute copy Fair Cast can make follow the contract (see docs/verl.md for Megatron).
+#: Strategies whose bf16 compute copy Fair Cast can make follow the contract.
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
+#: Megatron-core's main->model param copy (faircast_plugins/megatron, docs/megatron.md).
+MEGATRON_STRATEGY = "megatron"
 
 
 def _plain(value: Any) -> Any:
@@ -23,7 +25,7 @@ def _plain(value: Any) -> Any:
 #: Options of the ``faircast`` mapping that only the verl adapter reads (the rest is :class:`FairCastConfig`).
 #: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
 #: ``fp8_loss``: with ``rollout.quantization: fp8``, the actor's forward runs its quantized linear layers on the
-#: dequantized fp8 copy (fp32, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
+#: dequantized fp8 copy (fp32 GEMMs, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
 VERL_OPTIONS = ("allow_merged_lora", "fp8_loss")
 
 FP8_LOSS_NEEDS_FP8 = (
@@ -38,23 +40,66 @@ def _value(worker_config: Any) -> Any:
     return _plain(getter("faircast", None)) if getter is not None else None
 
 
+#: Served elements changed per weight version in verl's delta_sharded source, per mode (benchmarks/verl_delta.py:
+#: verl 0.9.1's worker on CPU, a tiny Qwen2 from a bf16 checkpoint, Adam lr 1e-6, mean over versions 121-150;
+#: docs/verl.md, Limits). What a delta sync sends grows with it.
+DELTA_CHANGED_PCT = {"nearest": 4.23, "sticky": 4.35, "stochastic": 30.4, "error_feedback": 44.2}
+DELTA_BACKENDS = ("delta_sharded",)
+
+
+def delta_sync(worker_config: Any) -> Optional[str]:
+    """The sparse (delta) weight-sync backend the rollout uses (``rollout.checkpoint_engine.backend``), or None."""
+    rollout = getattr(worker_config, "rollout", None)
+    engine = rollout.get("checkpoint_engine", None) if rollout is not None else None
+    backend = engine.get("backend", None) if engine is not None else None
+    return str(backend) if backend in DELTA_BACKENDS else None
+
+
+def _mode_given(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("mode") is not None
+
+
 def read_faircast(worker_config: Any) -> Optional[FairCastConfig]:
     """The Fair Cast config of an ``actor_rollout_ref`` node, or None when the key is absent.
 
     Accepts ``faircast: true|false`` or a mapping with ``enable``, ``mode``, ``seed``, ``ema_decay``, ``audit``
     (and ``audit_sample``, ``backend``, and the verl options :data:`VERL_OPTIONS`). Raises ValueError naming the
-    bad value otherwise.
+    bad value otherwise. With a delta weight sync and no ``mode`` given, the mode is ``sticky``
+    (:func:`delta_sync_advice` says why).
     """
     value = _value(worker_config)
     if value is None:
         return None
     if isinstance(value, dict):
         value = {k: v for k, v in value.items() if k not in VERL_OPTIONS}
+    sparse = "sticky" if delta_sync(worker_config) and not _mode_given(value) else None
     try:
-        config = FairCastConfig.from_value(value)
+        config = FairCastConfig.from_value(value, mode=sparse)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"actor_rollout_ref.faircast: {exc}") from None
     return config
+
+
+def delta_sync_advice(worker_config: Any) -> Optional[Tuple[str, str]]:
+    """``(log level, message)`` about the mode under a delta weight sync, or None when there is nothing to say:
+    ``sticky`` chosen because no mode was given (info), or a mode set explicitly that sends several times more
+    elements per sync than ``sticky`` (warning, with the measured ratio)."""
+    backend = delta_sync(worker_config)
+    config = read_faircast(worker_config)
+    if backend is None or config is None or not config.enabled:
+        return None
+    rates = ", ".join(f"{m} {pct}%" for m, pct in DELTA_CHANGED_PCT.items())
+    where = (f"rollout.checkpoint_engine.backend={backend} sends only the served elements that change per weight "
+             f"version (measured per version, benchmarks/verl_delta.py: {rates})")
+    if not _mode_given(_value(worker_config)):
+        return "info", (f"Fair Cast: mode=sticky (no faircast.mode given): {where}; sticky changes about as few "
+                        f"elements as round-to-nearest, unbiased. Set faircast.mode to choose another mode")
+    if config.mode in ("stochastic", "error_feedback"):
+        ratio = DELTA_CHANGED_PCT[config.mode] / DELTA_CHANGED_PCT["sticky"]
+        return "warning", (f"Fair Cast: mode={config.mode} with a delta weight sync: {where}, so each sync sends "
+                           f"about {ratio:.1f}x the elements mode=sticky sends. Use faircast.mode=sticky for delta "
+                           f"syncs (docs/verl.md, Limits)")
+    return None
 
 
 def verl_option(worker_config: Any, name: str) -> bool:
@@ -80,12 +125,13 @@ def rollout_quantization(worker_config: Any) -> Optional[str]:
 def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     """Refuse, with the reason, the combinations verl's FSDP adapter cannot make bit-exact."""
     strategy = worker_config.actor.strategy
+    if strategy == MEGATRON_STRATEGY:
+        check_megatron(config, worker_config)
+        return
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but actor.strategy={strategy!r}: Fair Cast for verl supports the FSDP "
-            f"engines ({', '.join(FSDP_STRATEGIES)}) only. With Megatron the fp32 master lives in Megatron-core's "
-            f"optimizer and the bf16 params are written by its main->model param copy, inside Megatron-core rather "
-            f"than verl; that copy is not patched (see docs/verl.md)."
+            f"engines ({', '.join(FSDP_STRATEGIES)}) and {MEGATRON_STRATEGY!r}."
         )
     lora = worker_config.model.get("lora_rank", 0) or 0
     merged = bool(lora and (worker_config.model.get("lora", {}) or {}).get("merge", False))
@@ -137,3 +183,37 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"actor_rollout_ref.faircast needs a bf16 rollout, got rollout.dtype={rollout_dtype!r}: the served copy "
             f"Fair Cast defines is bf16."
         )
+
+
+def check_megatron(config: FairCastConfig, worker_config: Any) -> None:
+    """Refuse what Fair Cast cannot make bit-exact on verl's Megatron engine, before the model is built (the
+    optimizer's own options are checked again when Fair Cast attaches: faircast_plugins/megatron/patch.py)."""
+    megatron = worker_config.actor.get("megatron", {}) or {}
+    dtype = str(megatron.get("dtype", "bfloat16"))
+    if dtype not in ("bfloat16", "bf16"):
+        raise ValueError(
+            f"actor_rollout_ref.faircast with actor.strategy=megatron needs actor.megatron.dtype=bfloat16, got {dtype!r}: "
+            f"verl's fp16 path uses Megatron's precision-aware optimizer, whose main->model copy runs inside "
+            f"TransformerEngine's FusedAdam, outside the copy Fair Cast patches."
+        )
+    for option, why in (
+        ("use_megatron_fsdp", "Megatron-FSDP copies the masters with its own buffer code, not patched"),
+        ("vanilla_mbridge", "the vanilla mbridge export path was not read; use megatron-bridge (vanilla_mbridge=false)"),
+    ):
+        if megatron.get(option, False):
+            raise ValueError(f"actor_rollout_ref.faircast with actor.strategy=megatron does not support "
+                             f"actor.megatron.{option}=true: {why}.")
+    if (megatron.get("qat", {}) or {}).get("enable", False):
+        raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron does not support QAT "
+                         "(actor.megatron.qat.enable): the QAT export re-quantizes the served copy.")
+    if worker_config.model.get("lora_rank", 0) or (worker_config.model.get("lora", {}) or {}).get("rank", 0):
+        raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron does not support LoRA yet: the "
+                         "adapter export through megatron-bridge was not checked. Use full fine-tuning, or FSDP2.")
+    if rollout_quantization(worker_config):
+        raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron serves bf16 only: remove "
+                         "rollout.quantization (its fp8 export on Megatron was not checked).")
+    rollout_dtype = str(worker_config.rollout.get("dtype", "bfloat16"))
+    if rollout_dtype not in ("bfloat16", "bf16"):
+        raise ValueError(f"actor_rollout_ref.faircast needs a bf16 rollout, got rollout.dtype={rollout_dtype!r}")
+    if verl_option(worker_config, "fp8_loss") or verl_option(worker_config, "allow_merged_lora"):
+        raise ValueError("actor_rollout_ref.faircast.fp8_loss / allow_merged_lora apply to the FSDP engines only")

@@ -14,7 +14,8 @@ from ..cast import fair_cast
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..export import save_state
-from ..fsdp import apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_layout
+from ..fsdp import (apply_fsdp_cast_patches, assemble_served, register_fsdp_module, registered_shards, shard_groups,
+                    shard_layout, stage_for_cast, uneven_shards)
 from ..key import canonical_name
 from . import fp8 as fc_fp8
 
@@ -84,8 +85,33 @@ def activate(engine, config: FairCastConfig) -> EngineFairCast:
     peft = hasattr(_hf_model(engine.module), "peft_config")
     state = EngineFairCast(caster, _export_names(engine.module, registered), engine.module, set(registered.values()),
                            peft, audit=caster.audit)
+    if needs_blocking_offload(engine):
+        mark_blocking_offload(engine.module)
+        logger.warning("Fair Cast: FSDP2 param_offload with uneven shards (%s, ...): verl's offload of this actor is a "
+                       "blocking copy (a non_blocking one can leave the re-padded short shards stale; docs/verl.md)",
+                       uneven_shards(engine.module)[0])
     setattr(engine, ATTR, state)
     return state
+
+
+#: set on a module whose offload must be a blocking copy (:func:`mark_blocking_offload`)
+BLOCKING_OFFLOAD = "_faircast_blocking_offload"
+
+
+def mark_blocking_offload(module) -> None:
+    """verl offloads FSDP2 parameters with ``module.to("cpu", non_blocking=True)``; inside that call torch re-pads
+    each uneven shard with a host copy of the pinned destination, before the device-to-host copy has landed (issue
+    29, finding 8), so the masters of the short ranks could come back stale, and Fair Cast would export them.
+    Marked modules are offloaded with a blocking copy instead (``patches._wrap_offload``)."""
+    setattr(module, BLOCKING_OFFLOAD, True)
+
+
+def needs_blocking_offload(engine) -> bool:
+    """FSDP2 with ``param_offload`` and an uneven shard anywhere (the same answer on every rank)."""
+    from verl.utils.fsdp_utils import fsdp_version
+
+    return bool(getattr(engine, "_is_offload_param", False)) and fsdp_version(engine.module) == 2 \
+        and bool(uneven_shards(engine.module))
 
 
 def canonical_of(state: EngineFairCast, exported_name: str) -> Optional[str]:
@@ -104,7 +130,7 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
     adapters travel in separate exports).
     """
     seen = set()
-    shards = None
+    shards = groups = None
     for name, tensor in weights:
         canonical = canonical_of(state, name)
         if canonical is None:
@@ -114,11 +140,12 @@ def cast_export(state: EngineFairCast, weights: Iterable[Tuple[str, torch.Tensor
             raise TypeError(f"Fair Cast export: {name} arrives as {tensor.dtype}, expected the fp32 master")
         if not seen:  # before the first host read of this export
             shards = registered_shards(state.module) if state.stateful else {}
+            groups = shard_groups(state.module) if state.stateful else {}
             wait_for_offload_copies([tensor] + [master for _, master in shards.values()])
         seen.add(canonical)
         if state.stateful:
             shards = registered_shards(state.module) if shards is None else shards
-            q = served_full(state, canonical, tensor.shape, tensor.device, shards)
+            q = served_full(state, canonical, tensor.shape, tensor.device, shards, groups)
         else:
             q = _cast_unaudited(state.caster, canonical, tensor.detach().contiguous())
         fc_fp8.observe_export(state, canonical, tensor, q)
@@ -152,10 +179,12 @@ def _cast_unaudited(caster: FairCaster, name: str, master: torch.Tensor) -> torc
     return fair_cast(master, key=caster.key(name), mode=caster.mode, backend=caster.config.backend)
 
 
-def served_full(state: EngineFairCast, name: str, shape, device, shards=None) -> torch.Tensor:
-    """The full served bf16 copy of registered parameter ``name`` (collective; see :func:`fsdp.assemble_served`)."""
+def served_full(state: EngineFairCast, name: str, shape, device, shards=None, groups=None) -> torch.Tensor:
+    """The full served bf16 copy of registered parameter ``name`` (collective over the group it is sharded over;
+    see :func:`fsdp.assemble_served`)."""
     shards = registered_shards(state.module) if shards is None else shards
-    return assemble_served(state.caster, name, shards.get(name), shape, device)
+    groups = shard_groups(state.module) if groups is None else groups
+    return assemble_served(state.caster, name, shards.get(name), shape, device, groups.get(name))
 
 
 def step_taken(grad_norm) -> bool:
@@ -186,7 +215,7 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
     """
     from verl.workers.engine.spec import derive_dtensor_placement, translate_flat_indices
 
-    shards = registered_shards(state.module)
+    shards, groups = registered_shards(state.module), shard_groups(state.module)
     wait_for_offload_copies([master for _, master in shards.values()])
     for name, local, spec in weights:
         canonical = canonical_of(state, name)
@@ -205,9 +234,10 @@ def cast_local_shards(state: EngineFairCast, weights, fsdp_version: int):
                     isinstance(place, int) or place.is_flat_contiguous):
                 raise RuntimeError(f"Fair Cast delta export: the shard of {name} verl exports does not match the "
                                    f"shard FSDP casts (offset {offset}, {n} elements)")
-            q = state.caster.cast(canonical, got[1], offset=offset)
+            master = stage_for_cast(got[1], local.device, state.caster.state_device(canonical))
+            q = state.caster.cast(canonical, master, offset=offset)
         else:
-            full = served_full(state, canonical, spec.full_shape, local.device, shards).reshape(-1)
+            full = served_full(state, canonical, spec.full_shape, local.device, shards, groups).reshape(-1)
             if isinstance(place, int):
                 q = full[place: place + n]
             else:

@@ -12,7 +12,8 @@ from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
 from . import fp8 as fc_fp8
-from .config import check_supported, read_faircast, verl_option
+from . import megatron as verl_megatron
+from .config import MEGATRON_STRATEGY, check_supported, delta_sync_advice, read_faircast, verl_option
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -111,19 +112,31 @@ def _wrap_init_model(original):
                 logger.warning("Fair Cast is OFF for this verl worker (role=%s): actor_rollout_ref.faircast is not "
                                "set; the rollout serves the round-to-nearest copy", self.role)
             return _status(self, requested, False) if result is None else result
+        engine = self.actor.engine
+        advice = delta_sync_advice(self.config)  # the mode under a delta weight sync, on either strategy
+        if advice is not None:
+            getattr(logger, advice[0])(advice[1])
+        if self.config.actor.strategy == MEGATRON_STRATEGY:
+            fc = verl_megatron.activate(engine, config)
+            logger.warning("Fair Cast ACTIVE on the verl actor (role=%s, strategy=megatron): %s; %d bf16 params cast "
+                           "by Megatron-core's main->model copy (the loss and the export read them)",
+                           self.role, config.describe(), len(fc.keys))
+            return _status(self, True, True) if result is None else result
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-        engine = self.actor.engine
         if not isinstance(engine, FSDPEngine):
             raise ValueError(f"actor_rollout_ref.faircast supports verl's FSDP engines, not {type(engine).__name__}")
         state = fc_engine.activate(engine, config)
         if fc_fp8.attach(state, self.config):
             logger.warning("Fair Cast: rollout.quantization=fp8: the audit measures the fp8 copy verl's engine "
-                           "computes with (at each export; docs/verl.md)")
+                           "computes with (at each export, by verl's %s quantizer; docs/verl.md)",
+                           fc_fp8.verl_fp8_path())
         if verl_option(self.config, "fp8_loss"):
             n = fc_fp8.enable_fp8_loss(engine.module)
             logger.warning("Fair Cast fp8_loss: %d linear layers of the actor compute with the dequantized fp8 copy "
-                           "(fp32, straight-through gradient); the fp8 engine's own kernels were not verified", n)
+                           "made by verl's %s quantizer (the one its rollout takes here, unless its environment "
+                           "sets VERL_DISABLE_TRITON_FP8 differently; fp32 GEMMs, straight-through gradient); the "
+                           "fp8 engine's own kernels were not verified", n, fc_fp8.verl_fp8_path())
         logger.warning(
             "Fair Cast ACTIVE on the verl actor (role=%s, strategy=%s): %s; %d parameters cast by Fair Cast in FSDP "
             "and in the export to the rollout; reference/critic models untouched",
@@ -138,14 +151,19 @@ def _wrap_update_actor(original):
     @functools.wraps(original)
     def update_actor(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
-        state = fc_engine.state_of(self.actor.engine) if self.actor is not None else None
-        if state is None:
+        engine = self.actor.engine if self.actor is not None else None
+        state = fc_engine.state_of(engine) if engine is not None else None
+        megatron = verl_megatron.state_of(engine) if engine is not None else None
+        if state is None and megatron is None:
             return output
         from verl.utils import tensordict_utils as tu
         from verl.utils.device import get_device_id
 
-        device = get_device_id() if state.caster.audit is not None else None
-        extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it
+        if megatron is not None:
+            extra = megatron.metrics()  # collective: every rank calls it
+        else:
+            device = get_device_id() if state.caster.audit is not None else None
+            extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it
         if output is not None:
             merged = dict(tu.get(output, "metrics") or {})
             merged.update(extra)
@@ -282,6 +300,22 @@ def _wrap_merged_lora_per_tensor_param(original):
     return _merged_lora_per_tensor_param
 
 
+def _wrap_offload(original):
+    """verl's ``offload_fsdp_model_to_cpu`` as the FSDP engine calls it: a blocking copy for a module Fair Cast
+    marked (FSDP2 with uneven shards, :func:`engine.mark_blocking_offload`), verl's own otherwise."""
+    @functools.wraps(original)
+    def offload_fsdp_model_to_cpu(model, empty_cache: bool = True):
+        if not getattr(model, fc_engine.BLOCKING_OFFLOAD, False):
+            return original(model, empty_cache)
+        model.to("cpu")  # blocking: torch's re-padding host copy of the short shards then reads landed data
+        if empty_cache:
+            from verl.utils.device import get_torch_device
+
+            get_torch_device().empty_cache()
+
+    return offload_fsdp_model_to_cpu
+
+
 def build_patch_set() -> PatchSet:
     """Every verl symbol Fair Cast wraps, checked together against the installed verl before any is touched."""
     patches = PatchSet("verl", "verl", VERL_SPECIFIER)
@@ -291,6 +325,7 @@ def build_patch_set() -> PatchSet:
     patches.wrap(f"{_ENGINE}.get_per_tensor_param", _wrap_get_per_tensor_param)
     patches.wrap(f"{_IMPL}:unfuse_moe_params", _wrap_unfuse_moe_params)
     patches.wrap(f"{_ENGINE}.get_per_tensor_param_shard", _wrap_get_per_tensor_param_shard)
+    patches.wrap(f"{_IMPL}:offload_fsdp_model_to_cpu", _wrap_offload)  # uneven FSDP2 shards: a blocking offload
     patches.wrap(f"{_ENGINE}._merged_lora_per_tensor_param", _wrap_merged_lora_per_tensor_param)
     patches.wrap(f"{_ENGINE}.save_checkpoint", _then(_save))
     patches.wrap(f"{_ENGINE}.load_checkpoint", _then(_load))

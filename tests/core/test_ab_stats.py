@@ -54,13 +54,15 @@ def test_default_pairs_put_the_aa_control_first():
 
 @pytest.mark.parametrize("name", ["standard", "faircast", "faircast-ef", "fp32-served", "fp32-delayed@20",
                                   "standard@lr=3e-6", "faircast@lr=1e-7", "export-only", "loss-only", "faircast-aa",
-                                  "sticky"])
+                                  "sticky", "fp32-frozen"])
 def test_arms_parse(name):
     assert parse_arm(name).name == name
 
 
 def test_arm_semantics():
     assert parse_arm("fp32-delayed@20").delay == 20 and parse_arm("fp32-delayed@20").engine_dtype == "float32"
+    assert parse_arm("fp32-frozen").frozen and parse_arm("fp32-frozen").engine_dtype == "float32"
+    assert not parse_arm("fp32-frozen").faircast and parse_arm("fp32-frozen@lr=1e-5").lr == 1e-5
     assert parse_arm("standard@lr=3e-6").lr == 3e-6 and not parse_arm("standard@lr=3e-6").faircast
     assert parse_arm("faircast-aa").seed_offset == AA_SEED_OFFSET
     assert parse_arm("loss-only").faircast and parse_arm("loss-only").mode == "nearest"
@@ -143,7 +145,8 @@ def test_ab_stats_reads_runs_from_a_logger(tmp_path, capsys):
             runs += ["--run", f"{arm}:{seed}:{f}"]
     assert faircast(["ab-stats", "--metric", "eval/success", *runs]) == 0
     out = capsys.readouterr().out
-    assert "| faircast vs standard | 6 | 6/0/0 | +0.010 |" in out and "0.0312" in out
+    assert "| faircast vs standard | 6 | +0.010 | [+0.010, +0.010] |" in out and "| 6/0/0 | 0.0312 (0.031) |" in out
+    assert "Primary: the paired t-test" in out
     assert "standard: 6 seeds" in out and "lag 10.0 steps" in out
     assert "lag cost +0.0200 reward" in out  # lag 10 x reward slope 0.002 per step (the jsonl runs log a reward)
 
@@ -162,8 +165,8 @@ def test_ab_stats_splits_the_learning_effect_from_the_readout_effect(tmp_path, c
     assert faircast(["ab-stats", "--metric", "eval/served", "--master-metric", "eval/master", *runs]) == 0
     out = capsys.readouterr().out
     learning, readout = out.split("Learning effect")[1].split("Readout effect")
-    assert "| faircast vs standard | 6 | 0/6/0 | +0.000 |" in learning
-    assert "| faircast vs standard | 6 | 6/0/0 | +0.004 |" in readout and "standard: 6 seeds, mean -0.0040" in readout
+    assert "| faircast vs standard | 6 | +0.000 | [+0.000, +0.000] | 1.000 |" in learning and "| 0/6/0 |" in learning
+    assert "| faircast vs standard | 6 | +0.004 |" in readout and "standard: 6 seeds, mean -0.0040" in readout
     with pytest.raises(SystemExit, match="no values of 'eval/none'"):
         faircast(["ab-stats", "--metric", "eval/served", "--master-metric", "eval/none", *runs])
 
@@ -214,7 +217,7 @@ def test_code_provenance_names_the_commit_and_dirty_state():
     from faircast_plugins.ab.provenance import code_provenance, versions
 
     code = code_provenance()
-    assert set(code) == {"commit", "dirty", "changed"}
+    assert set(code) == {"commit", "dirty", "changed", "untracked"}
     if code["commit"] is not None:  # run from a checkout (not from the installed wheel)
         assert len(code["commit"]) == 40 and isinstance(code["dirty"], bool)
     assert "torch" in versions()
@@ -238,3 +241,209 @@ def test_ab_stats_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="--dataset needs --model"):
         faircast(["ab", "--preset", "smoke", "--dataset", str(f)])
     assert math.isnan(stats.bootstrap_ci([])[0])
+
+
+# -- statistics for few seeds (issue #28): reference values from scipy 1.17.1 -------------------------------------
+D6 = [0.012, -0.004, 0.020, 0.009, 0.015, 0.003]
+
+
+def test_t_distribution_matches_scipy():
+    assert stats.t_cdf(-2.5, 3) == pytest.approx(0.04385332350403278, abs=1e-13)  # scipy.stats.t.cdf
+    assert stats.t_cdf(1.3, 30) == pytest.approx(0.8982495207309416, abs=1e-13)
+    assert stats.t_ppf(0.975, 3) == pytest.approx(3.1824463052837078, abs=1e-10)  # scipy.stats.t.ppf
+    assert stats.t_ppf(0.8, 5) == pytest.approx(0.9195437802408271, abs=1e-10)
+    assert stats.t_cdf(0.0, 4) == 0.5 and stats.t_cdf(math.inf, 4) == 1.0
+
+
+def test_paired_t_matches_scipy_ttest_1samp():
+    t, p, lo, hi = stats.paired_t(D6)
+    assert t == pytest.approx(2.6072500472698747, rel=1e-12)     # scipy.stats.ttest_1samp(D6, 0)
+    assert p == pytest.approx(0.047828429596299196, rel=1e-9)
+    assert (lo, hi) == pytest.approx((0.00012891946196706174, 0.018204413871366273), rel=1e-8)  # t.interval
+
+
+def test_tost_matches_two_one_sided_scipy_tests():
+    # max(ttest_1samp(D6, -0.02, alternative="greater"), ttest_1samp(D6, 0.02, alternative="less")).pvalue
+    assert stats.tost_p(D6, 0.02) == pytest.approx(0.013714612661396652, rel=1e-9)
+    assert stats.tost_p(D6, 0.001) > 0.5  # a margin inside the effect: equivalence not shown
+    r = stats.compare("a", "b", {"a": dict(enumerate(D6)), "b": dict.fromkeys(range(6), 0.0)}, margin=0.02)
+    assert r.equivalent is True and stats.compare("a", "b", {"a": {0: 1.0, 1: 2.0}, "b": {0: 0.0, 1: 0.0}}).equivalent is None
+
+
+def test_holm_by_hand():
+    # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, max(0.03, 2 x 0.03), max(0.06, 1 x 0.04); NaN stays out of the family
+    assert stats.holm([0.01, 0.04, 0.03, float("nan")])[:3] == pytest.approx([0.03, 0.06, 0.06])
+    assert math.isnan(stats.holm([0.01, float("nan")])[1]) and stats.holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])
+
+
+def test_limits_of_the_secondary_tests_at_few_seeds():
+    assert stats.sign_test_floor(4) == 0.125 and stats.sign_test_floor(6) == pytest.approx(0.03125)
+    # the percentile bootstrap's real coverage: P(|T_{n-1}| < 1.96 sqrt((n-1)/n)); the audit's exact enumeration at
+    # n = 4 found it excludes 0 19.8% of the time under the null
+    assert stats.bootstrap_coverage(4) == pytest.approx(0.812, abs=0.002)
+    assert 0.86 < stats.bootstrap_coverage(6) < 0.87 and stats.bootstrap_coverage(100) > 0.945
+
+
+def test_minimum_detectable_effect():
+    # (t_.975,3 + t_.80,3) / sqrt(4) = (3.18245 + 0.97847) / 2 per unit sd (the exact noncentral-t value is 2.128)
+    assert stats.mde(1.0, 4) == pytest.approx((3.1824463052837078 + 0.9784723123633045) / 2, rel=1e-9)
+    assert stats.mde(0.5, 4) == pytest.approx(stats.mde(1.0, 4) / 2) and math.isnan(stats.mde(1.0, 1))
+
+
+def test_family_adjustment_touches_only_its_members():
+    values = {"a": dict(enumerate(D6)), "b": dict.fromkeys(range(6), 0.0), "c": {s: 0.001 * s for s in range(6)}}
+    rs = [stats.compare("a", "b", values), stats.compare("c", "b", values), stats.compare("a", "c", values)]
+    stats.adjust_family(rs, family=[("a", "b"), ("c", "b")])
+    assert rs[0].p_holm == pytest.approx(max(2 * min(rs[0].t_p, rs[1].t_p), min(rs[0].t_p, rs[1].t_p)) if
+                                         rs[0].t_p < rs[1].t_p else max(rs[0].t_p, 2 * rs[1].t_p))
+    assert math.isnan(rs[2].p_holm) and "(not in family)" in stats.table(rs)
+
+
+def test_old_results_json_rows_still_render():
+    """Reports of runs made before the t-test fields existed: the new columns stay empty, nothing breaks."""
+    old = {"a": "faircast", "b": "standard", "n": 4, "wins": 4, "ties": 0, "losses": 0, "mean_diff": 0.004,
+           "ci_low": 0.003, "ci_high": 0.005, "sign_p": 0.125, "sd_diff": 0.0002, "sd_a": 0.001, "sd_b": 0.001,
+           "mean_a": 0.37, "mean_b": 0.366, "ci_contains_zero": False}
+    assert "| faircast vs standard | 4 | +0.400 | [, ] |" in stats.table([stats.PairResult.from_dict(old)])
+
+
+def test_protocol_family_and_margin_are_checked(tmp_path):
+    base = {"name": "x", "arms": ["standard", "faircast"], "compute": "fp32"}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({**base, "family": [["master_expected", "faircast", "standard"]],
+                             "equivalence_margin": 0.002}))
+    proto = load(path=str(f))
+    assert proto.family == [["master_expected", "faircast", "standard"]] and proto.equivalence_margin == 0.002
+    for bad, match in (({"family": [["faircast", "standard"]]}, "must be \\[metric, arm A, arm B\\]"),
+                       ({"family": [["nope", "faircast", "standard"]]}, "must be"),
+                       ({"equivalence_margin": -1}, "positive number")):
+        f.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ValueError, match=match):
+            load(path=str(f))
+
+
+def test_word2_task_has_a_fixed_answer_format_and_a_disjoint_heldout_set():
+    from faircast_plugins.ab.task import success, word2_answer, word2_problems
+
+    train, held = word2_problems(seed=0, heldout=200, count=2000)
+    assert len(train) == 1800 and not {p.prompt for p in train} & {p.prompt for p in held}
+    assert word2_problems(seed=0, heldout=200, count=2000)[1] == held  # the same draw every time
+    for p in held:
+        body = p.prompt.rsplit("Problem: ", 1)[1]
+        nums = [int(t) for t in body.replace("?", " ").replace(".", " ").split() if t.isdigit()]
+        a, b, c = nums
+        total = a + b * c if " buys " in body else a - b * c
+        assert p.answer == f" {b} * {c} = {b * c}. {a} {'+' if ' buys ' in body else '-'} {b * c} = {total}. Answer: {total}\n"
+        assert total > 0 and word2_answer(p.answer) == total and p.prompt.endswith("\nSolution:")
+    ans = held[0].answer
+    assert success(ans + "Problem: ...", ans) and success("  " + ans, ans)
+    assert not success(ans.rstrip("\n") + "7\n", ans)  # "Answer: 634" is not "Answer: 63"
+    assert task_problems("word2", seed=0, heldout=100)[1][0].prompt == word2_problems(0, 100)[1][0].prompt
+
+
+def test_grid_records_retries_and_resumes(tmp_path):
+    """A run that fails once is retried and the retry is on record; a second invocation resumes past it, on record."""
+    from faircast_plugins.ab.runner import Grid, spec_digest
+
+    fake = tmp_path / "fake_python"  # stands in for `python -m faircast_plugins.ab.run_one SPEC OUT`
+    fake.write_text("#!/bin/sh\nmark=\"$4.tried\"\nif [ ! -e \"$mark\" ]; then touch \"$mark\"; exit 3; fi\n"
+                    "python3 -c \"import json,sys; s=json.load(open(sys.argv[1])); "
+                    "json.dump({'spec': s}, open(sys.argv[2], 'w'))\" \"$3\" \"$4\"\n")
+    fake.chmod(0o755)
+    spec = {"arm": "standard", "seed": 0, "threads": 1}
+    grid = Grid(str(tmp_path), 1, log=lambda m: None, python=str(fake))
+    seen = []
+    assert grid.run({"standard seed 0": spec}, on_start=seen.append) == []
+    assert seen == [[]] and grid.ran == ["standard seed 0"]
+    assert [(r["run"], r["exit"]) for r in grid.retries] == [("standard seed 0", 3)]
+    assert (tmp_path / "runs/standard/seed0.failed.log").exists()
+    with open(tmp_path / "runs/standard/seed0.json") as f:
+        assert json.load(f)["spec"]["digest"] == spec_digest(spec)
+    again = Grid(str(tmp_path), 1, log=lambda m: None, python=str(fake))
+    assert again.run({"standard seed 0": spec}, on_start=seen.append) == [] and seen[-1] == ["standard seed 0"]
+    assert again.ran == [] and again.retries == []
+
+
+def test_code_provenance_counts_untracked_files_as_dirty(tmp_path, monkeypatch):
+    import subprocess
+
+    from faircast_plugins.ab import provenance
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "pkg" / "a.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c")
+    monkeypatch.setattr(provenance, "PACKAGE_DIR", str(repo / "pkg"))
+    assert provenance.code_provenance()["dirty"] is False
+    (repo / "pkg" / "new.py").write_text("y = 2\n")
+    code = provenance.code_provenance()
+    assert code["dirty"] is True and code["untracked"] == ["pkg/new.py"] and code["changed"] == []
+
+
+def test_report_uses_the_t_test_holm_family_margin_and_records_sessions(tmp_path):
+    """The A/B report from run records alone (no trainer): the declared family is Holm-adjusted, the margin gives
+    TOST, the sessions (with their retries) are in results.json and the report."""
+    from faircast_plugins.ab.protocol import METRICS
+    from faircast_plugins.ab.report import build
+
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"name": "t", "compute": "fp32", "arms": ["standard", "faircast", "faircast-aa"],
+                             "seeds": [0, 1, 2, 3], "family": [["master_expected", "faircast", "standard"]],
+                             "equivalence_margin": 0.002}))
+    proto = load(path=str(f))
+    for arm, bump in (("standard", 0.0), ("faircast", 0.004), ("faircast-aa", 0.0041)):
+        (tmp_path / "runs" / arm).mkdir(parents=True)
+        for seed in proto.seeds:
+            ev = [{"step": st, **{m: 0.3 + bump + 0.001 * seed + 0.0001 * (seed % 2) * (arm == "faircast")
+                                  for m in METRICS}} for st in (10, 20)]
+            (tmp_path / "runs" / arm / f"seed{seed}.json").write_text(json.dumps(
+                {"arm": arm, "seed": seed, "lr": 1e-6, "evals": ev, "steps": [{"step": 1, "reward": 0.1}]}))
+    sessions = [{"started": "2026-12-04T16:00:00+00:00", "code": {"commit": "abc", "dirty": True},
+                 "resumed_past": [], "ran": ["standard seed 0"], "failed": [],
+                 "retries": [{"run": "standard seed 0", "exit": 3, "log": "x.failed.log", "at": "t"}]}]
+    (tmp_path / "sessions.json").write_text(json.dumps(sessions))
+    res = build(str(tmp_path), proto, {"path": str(f), "sha256": "0" * 64}, None, [],
+                {"started": "2026-12-04T16:00:00+00:00", "code": {"commit": "abc", "dirty": True}})
+    rows = {(m, c["a"], c["b"]): c for m, cs in res["comparisons"].items() for c in cs}
+    fam = rows[("master_expected", "faircast", "standard")]
+    assert fam["p_holm"] == pytest.approx(fam["t_p"]) and fam["margin"] == 0.002 and fam["equivalent"] is False
+    assert math.isnan(rows[("served_expected", "faircast", "standard")]["p_holm"])  # not in the declared family
+    assert res["family"]["declared"] and res["retries"][0]["exit"] == 3
+    report = (tmp_path / "report.md").read_text()
+    assert "started 2026-12-04T16:00:00+00:00" in report and "1 retried" in report and "standard seed 0 (exit 3" in report
+    assert "pre-declared in the protocol" in report and "TOST" in report and "95% CI (paired t)" in report
+
+
+def test_masters_load_into_a_tied_model_and_nothing_else_may_be_missing():
+    """SmolLM2 ties lm_head to the embedding: the masters (named once) load, a truly missing tensor is refused."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from faircast_plugins.ab.run_one import load_masters
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    masters = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    assert "lm_head.weight" not in masters
+    load_masters(model, masters)
+    assert float(model.lm_head.weight.mean()) == 0.5
+    masters.pop("model.norm.weight")
+    with pytest.raises(RuntimeError, match="missing \\['model.norm.weight'\\]"):
+        load_masters(model, masters)
+
+
+def test_ab_stats_margin_adds_the_equivalence_test(tmp_path, capsys):
+    runs = []
+    for seed in range(4):
+        for arm, bump in (("standard", 0.0), ("faircast", 0.0001 * (seed % 2))):
+            f = tmp_path / f"{arm}{seed}.jsonl"
+            f.write_text("".join(json.dumps({"step": s, "acc": 0.3 + 0.01 * seed + bump}) + "\n" for s in range(5)))
+            runs += ["--run", f"{arm}:{seed}:{f}"]
+    assert faircast(["ab-stats", "--metric", "acc", "--margin", "0.01", *runs]) == 0
+    out = capsys.readouterr().out
+    assert "equivalent within ±0.01 (TOST p)" in out and "| yes (" in out
+    with pytest.raises(SystemExit, match="--margin must be > 0"):
+        faircast(["ab-stats", "--metric", "acc", "--margin", "0", *runs])

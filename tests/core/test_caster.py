@@ -292,3 +292,48 @@ def test_rollback_refuses_once_error_feedback_cast_the_new_version():
     caster.cast("w", x)  # version 1 cast: its residual cannot be undone
     with pytest.raises(RuntimeError, match="error-feedback"):
         caster.rollback()
+
+
+# -- issue 29, finding 6: state beside a pinned (offloaded) master is pinned too --------------------------------
+
+class _PinnedHost:
+    """Pinned host memory stood in for on a machine without an accelerator: ``pin_memory()`` gives a copy that
+    ``is_pinned()`` then reports, so state made beside a pinned master can be checked."""
+
+    def __init__(self, monkeypatch):
+        self.pinned, self.pin_calls = set(), 0
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a: t.untyped_storage().data_ptr() in self.pinned)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: self._pin(t))
+
+    def _pin(self, t, *a):
+        self.pin_calls += 1
+        out = t.clone()
+        self.pinned.add(out.untyped_storage().data_ptr())
+        return out
+
+    def master(self, x):
+        return self._pin(x)
+
+
+@pytest.mark.parametrize("cfg", [dict(ema_decay=0.5), dict(mode="error_feedback")], ids=["ema", "error_feedback"])
+def test_state_beside_a_pinned_master_is_pinned(monkeypatch, cfg):
+    """FSDP CPU offload keeps the masters in pinned host memory: the EMA (and an error-feedback residual and its kept
+    served copy) made beside one must be pinned too, or each non_blocking copy of it to the GPU per all-gather is a
+    pageable copy that waits for the host (defeating FSDP's prefetch). Control: beside a pageable master, no pinning."""
+    host = _PinnedHost(monkeypatch)
+    caster = FairCaster(FairCastConfig(enabled=True, seed=3, **cfg))
+    master = host.master(torch.randn(64) * 0.02)
+    assert master.is_pinned()
+    if caster.ema_on:
+        assert caster.source("w", master).is_pinned()
+        caster.advance({"w": master})
+        assert caster._ema["w"].is_pinned() and caster.update_ema("v", master).is_pinned()
+    else:
+        caster.cast("w", master)
+        state = caster._ef["w"]
+        assert state.residual.is_pinned() and state.served.is_pinned()
+    calls = host.pin_calls
+    plain = FairCaster(FairCastConfig(enabled=True, seed=3, **cfg))
+    pageable = torch.randn(64) * 0.02
+    plain.source("w", pageable) if plain.ema_on else plain.cast("w", pageable)
+    assert host.pin_calls == calls  # control

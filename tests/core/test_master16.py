@@ -190,3 +190,42 @@ def test_low_halves_of_another_tensor_are_refused(backend):
     if backend != "torch":
         with pytest.raises(ValueError, match="int32 bits and int16 low halves|one size"):
             _module(backend).recover_(q.float().view(torch.int32), c.low16[:999], key=key)
+
+
+# -- one host read per step (issue 29, finding 4) ---------------------------------------------------------------
+
+HOST_READS = ("item", "tolist", "__int__", "__bool__")
+
+
+def _count_host_reads(monkeypatch) -> list:
+    """Every host read of a tensor value (``.item()``, ``.tolist()``, ``int(t)``, ``bool(t)``, ``torch.nonzero``):
+    on CUDA each is a host sync."""
+    calls = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: calls.append(_n) or _r(self, *a, **k))
+    real_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: calls.append("nonzero") or real_nonzero(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_compacting_a_whole_model_reads_the_miss_counts_once(backend, monkeypatch):
+    """The fused compaction counts misses on the device; the masters of a step (here 6 parameters, one with misses)
+    make one host read together, not one per parameter, and the same compact state as one by one."""
+    masters = {f"p{i}": torch.randn(3000 + 17 * i) * 0.02 for i in range(6)}
+    masters["p3"] = _inputs(n=3000, seed=9)  # specials: NaN and saturating values, the exceptions
+    keys = {n: derive_key(3, 1, n) for n in masters}
+    master16._kernels(backend, torch.device("cpu"), "stochastic")  # its one-time self-check, before the spies
+    one_by_one = {n: compact(x, None, key=keys[n], mode="sticky", backend=backend) for n, x in masters.items()}
+    calls = _count_host_reads(monkeypatch)
+    together = master16.compact_all(masters, keys=keys, mode="sticky", backend=backend)
+    monkeypatch.undo()
+    reads = calls.count("tolist") + calls.count("item") + calls.count("__int__") + calls.count("__bool__")
+    assert reads == (1 if backend == "triton" else 0), calls  # numba counts on the host: nothing to wait for
+    assert calls.count("nonzero") == 1  # the one parameter with exceptions
+    for n, c in one_by_one.items():
+        t = together[n]
+        assert torch.equal(t.low16, c.low16) and torch.equal(t.index, c.index) and _same_bits(t.value, c.value)
+        assert t.key == keys[n] and t.mode == "sticky"
+    assert one_by_one["p3"].index.numel() > 0

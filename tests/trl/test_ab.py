@@ -37,9 +37,16 @@ def test_smoke_reports_every_arm_and_seed(smoke):
     # what defines the run is recorded, never left to a framework default
     assert res["compute"] == res["protocol"]["compute"] == "fp32"
     assert res["code"]["commit"] and isinstance(res["code"]["dirty"], bool) and res["meta"]["versions"]["trl"]
+    # provenance taken at the start of the grid and of every run; the session is on record
+    assert res["meta"]["started"] < res["meta"]["finished"] and "untracked" in res["code"]
+    assert len(res["sessions"]) == 1 and res["sessions"][0]["resumed_past"] == [] and len(res["sessions"][0]["ran"]) == 8
+    assert res["retries"] == res["sessions"][0]["retries"]
+    for c in res["comparisons"]["served_expected"]:  # paired t primary, with the limits of the secondary tests
+        assert {"t_p", "t_ci_low", "t_ci_high", "mde", "p_holm", "sign_p_floor", "bootstrap_coverage"} <= set(c)
     for arm in ARMS:
         run = json.loads((out / "runs" / arm / "seed0.json").read_text())
         assert run["compute"] == "fp32" and run["mixed_precision"] == "no" and run["code"] == res["code"]
+        assert run["started"] and run["code_at_end"]["commit"] == run["code"]["commit"]
         assert run["trl_config"]["bf16"] is False and run["trl_config"]["optim"] == "adamw_torch_fused"
         step = run["steps"][-1]
         for key in ("grad_norm", "adam_v_mean", "sampling/importance_sampling_ratio/mean", "faircast/lag_steps"):
@@ -82,6 +89,40 @@ def test_resume_skips_finished_runs(smoke):
     run = subprocess.run([sys.executable, "-m", "faircast_plugins.cli", "ab", "--preset", "smoke", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "resuming: 8 of 8 runs already finished" in run.stdout
+    sessions = json.loads((out / "results.json").read_text())["sessions"]
+    assert len(sessions) == 2 and len(sessions[1]["resumed_past"]) == 8 and sessions[1]["ran"] == []
+
+
+def _real_model_or_skip():
+    try:
+        from faircast_plugins.real_model import smollm2_checkpoint
+    except ImportError:
+        pytest.skip("faircast_plugins.real_model (the SmolLM2 checkpoint builder) is not in this checkout")
+    try:
+        return smollm2_checkpoint()
+    except Exception as e:  # noqa: BLE001  (the builder names what to install)
+        pytest.skip(f"the SmolLM2 checkpoint cannot be built here: {e}")
+
+
+def test_smollm2_smoke_preset_runs_the_real_model_on_word_problems(tmp_path):
+    """`--preset smollm2-smoke`: the real pretrained model through the same harness (engine, readouts, audit) on the
+    word2 task. Structure only: every arm and seed, every readout, the metrics in range; never an outcome."""
+    _real_model_or_skip()
+    out = tmp_path / "ab"
+    run = subprocess.run([sys.executable, "-m", "faircast_plugins.cli", "ab", "--preset", "smollm2-smoke", "--out",
+                          str(out)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["failed_runs"] == [] and sorted(r["arm"] for r in res["runs"]) == ["faircast", "standard"]
+    assert res["family"]["declared"] and res["protocol"]["task"] == "word2"
+    for r in res["runs"]:
+        for m in ("served_expected", "master_expected", "rtn_expected", "sr_expected", "sticky_expected"):
+            assert 0.0 <= r[m] <= 1.0, m
+        # each arm's own export is its readout bit for bit (the other readouts may coincide: a step whose groups
+        # all got the same reward leaves the masters on the bf16 grid, where every export is the same)
+        assert r["rtn_is_served"] if r["arm"] == "standard" else r["sr_is_served"]
+    run0 = json.loads((out / "runs" / "standard" / "seed0.json").read_text())
+    assert "faircast/served_changed_frac" in run0["steps"][-1] and os.path.isdir(run0["spec"]["model"])
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):

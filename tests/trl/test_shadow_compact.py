@@ -197,9 +197,49 @@ def test_master_bytes_4_keeps_fp32_masters_with_the_same_bits(mode):
 
 
 def test_master_bytes_is_checked():
+    """2, 4, or unset (None: 2 B masters for stochastic and sticky, fp32 for nearest)."""
     from faircast_plugins.trl.config import master_bytes
 
-    assert master_bytes(2) == 2 and master_bytes("4") == 4
+    assert master_bytes(2) == 2 and master_bytes("4") == 4 and master_bytes(None) is None
     for bad in (3, 0, "two", True, 2.5):
         with pytest.raises(ValueError, match="faircast_master_bytes must be 2"):
             master_bytes(bad)
+
+
+# -- issue 29, finding 4: no chunked reference per step for nearest; one host read per step for the others -------
+
+def test_nearest_keeps_fp32_masters_unless_2_bytes_are_asked_for():
+    """``nearest`` has no fused compaction (on CUDA the chunked torch reference made ~20 launches and a host sync per
+    1M elements every step): with ``faircast_master_bytes`` unset its trainable masters are kept in fp32 (no
+    compaction, no recovery), with the same bits; an explicit 2 keeps the 2 B masters."""
+    config = CONFIGS["nearest"]
+    pairs = [_run(ReferenceShadowMasters, config), _run(ShadowMasters, config, master_bytes=None),
+             _run(ShadowMasters, config, master_bytes=2)]
+    for _, backend, _ in pairs:
+        backend.begin(SimpleNamespace(global_step=0), None)
+    for step in range(3):
+        _step(pairs, step)
+    trainable = {n for n, p in pairs[1][0].named_parameters() if p.requires_grad}
+    assert set(pairs[1][1].full) == trainable
+    assert not set(pairs[2][1].full) and trainable <= set(pairs[2][1].compacts)  # control: the user's explicit 2
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "sticky"])
+def test_each_step_compacts_every_master_in_one_call(mode, monkeypatch):
+    """The step's compaction goes through ``master16.compact_all`` once, for every trainable parameter (the fused
+    kernels' miss counts are then read from the device once per step, tests/core/test_master16.py), not through
+    ``compact`` one parameter at a time; the bits stay the reference's."""
+    import faircast_plugins.trl.backends.plain as plain
+
+    calls = []
+    real_all, real_one = plain.compact_all, plain.compact
+    monkeypatch.setattr(plain, "compact_all", lambda masters, **k: calls.append(sorted(masters)) or real_all(masters, **k))
+    monkeypatch.setattr(plain, "compact", lambda *a, **k: calls.append("compact") or real_one(*a, **k))
+    pairs = [_run(ReferenceShadowMasters, CONFIGS[mode]), _run(ShadowMasters, CONFIGS[mode])]
+    for _, backend, _ in pairs:
+        backend.begin(SimpleNamespace(global_step=0), None)
+    calls.clear()
+    for step in range(2):
+        _step(pairs, step)
+    trainable = sorted(n for n, p in pairs[1][0].named_parameters() if p.requires_grad)
+    assert calls == [trainable, trainable]

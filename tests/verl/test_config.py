@@ -112,7 +112,10 @@ def test_bad_values_are_clear_errors(value, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.actor.strategy=megatron", "Megatron"),
+    ("actor_rollout_ref.actor.strategy=megatron,+actor_rollout_ref.actor.megatron.dtype=float16", "dtype=bfloat16"),
+    ("actor_rollout_ref.actor.strategy=megatron,+actor_rollout_ref.actor.megatron.vanilla_mbridge=true", "vanilla_mbridge"),
+    ("actor_rollout_ref.actor.strategy=megatron,actor_rollout_ref.model.lora_rank=8", "LoRA"),
+    ("actor_rollout_ref.actor.strategy=megatron,actor_rollout_ref.rollout.quantization=fp8", "bf16 only"),
     ("actor_rollout_ref.model.lora_rank=8,actor_rollout_ref.actor.strategy=fsdp", "fsdp2 only"),
     ("actor_rollout_ref.rollout.dtype=float16", "bf16 rollout"),
 ])
@@ -134,6 +137,8 @@ def test_unsupported_setups_are_refused(override, message):
     ["+actor_rollout_ref.faircast.mode=error_feedback"],
     ["+actor_rollout_ref.faircast.ema_decay=0.5"],
     ["actor_rollout_ref.actor.strategy=fsdp", "+actor_rollout_ref.faircast.mode=error_feedback"],
+    ["actor_rollout_ref.actor.strategy=megatron"],                                 # Megatron (docs/megatron.md)
+    ["actor_rollout_ref.actor.strategy=megatron", "+actor_rollout_ref.faircast.mode=error_feedback"],
 ])
 def test_supported_setups_are_accepted(extra):
     sub_options = any("faircast." in e for e in extra)
@@ -264,3 +269,47 @@ def test_torch_under_test_is_the_one_intended_and_supported():
     if expected:
         assert installed == expected, f"the session asked for torch {expected} but {installed} is installed"
     assert Version(installed) in SpecifierSet(fsdp.TORCH_SPECIFIER), (installed, fsdp.TORCH_SPECIFIER)
+
+
+# -- delta weight sync defaults to the sparse mode (issue 29, item 4) -------------------------------------------
+
+DELTA = "actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded"
+
+
+def _delta_cfg(*faircast):
+    return compose(cpu_overrides("/x", "fsdp2", 8, 1) + list(faircast) + [DELTA]).actor_rollout_ref
+
+
+def test_delta_sync_without_a_mode_uses_sticky_and_says_why():
+    from faircast_plugins.verl.config import delta_sync_advice
+
+    for flag in (["+actor_rollout_ref.faircast=true"], ["+actor_rollout_ref.faircast.enable=true",
+                                                         "+actor_rollout_ref.faircast.audit=true"]):
+        cfg = _delta_cfg(*flag)
+        assert read_faircast(cfg).mode == "sticky"
+        level, message = delta_sync_advice(cfg)
+        assert level == "info" and "sticky" in message and "delta_sharded" in message and "4.35%" in message
+    # control: without delta sync the default stays stochastic, and nothing is said
+    plain = compose(cpu_overrides("/x", "fsdp2", 8, 1) + ["+actor_rollout_ref.faircast=true"]).actor_rollout_ref
+    assert read_faircast(plain).mode == "stochastic" and delta_sync_advice(plain) is None
+
+
+@pytest.mark.parametrize("mode, ratio", [("stochastic", "7.0x"), ("error_feedback", "10.2x")])
+def test_delta_sync_with_a_dense_mode_set_explicitly_warns_with_the_payload_ratio(mode, ratio):
+    from faircast_plugins.verl.config import delta_sync_advice
+
+    cfg = _delta_cfg("+actor_rollout_ref.faircast.enable=true", f"+actor_rollout_ref.faircast.mode={mode}")
+    assert read_faircast(cfg).mode == mode  # the user's choice stands
+    level, message = delta_sync_advice(cfg)
+    assert level == "warning" and ratio in message and "mode=sticky" in message and mode in message
+
+
+def test_delta_sync_with_sticky_or_nearest_or_faircast_off_says_nothing():
+    from faircast_plugins.verl.config import delta_sync_advice
+
+    for extra in (["+actor_rollout_ref.faircast.enable=true", "+actor_rollout_ref.faircast.mode=sticky"],
+                  ["+actor_rollout_ref.faircast.enable=true", "+actor_rollout_ref.faircast.mode=nearest"],
+                  ["+actor_rollout_ref.faircast.enable=false", "+actor_rollout_ref.faircast.audit=true"]):
+        assert delta_sync_advice(_delta_cfg(*extra)) is None, extra
+    assert read_faircast(_delta_cfg("+actor_rollout_ref.faircast.enable=false",
+                                    "+actor_rollout_ref.faircast.audit=true")).effective_mode == "nearest"

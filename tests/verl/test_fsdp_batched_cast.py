@@ -293,3 +293,64 @@ def test_export_moves_bf16_once_per_parameter_after_the_first(two_rank_exports):
             assert data[1] == 3 * width * 2  # in + out tensors of the bf16 all-gather: 2 B per element
             assert len(calls) == (2 if version == 0 else 1), (mode, version, name, calls)  # layout once, then bits
             assert width * 2 <= numel * 2  # never more than the bf16 tensor per rank
+
+
+# -- issue 29, finding 7: under HSDP the stateful export gathers over one replica's shard group (four gloo ranks) --
+
+HSDP_LAYOUTS = [("chunks", 10, {0: (0, 5), 1: (5, 5)}), ("uneven", 10, {0: (0, 7), 1: (7, 3)})]
+
+
+def _hsdp_rank(rank, store, results):
+    """A 2x2 mesh: replicas {0, 1} and {2, 3}, each sharding every parameter over its two ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    shard_group = groups[rank // 2]
+    torch.manual_seed(0)
+    fulls = {name: torch.randn(n) * 1e-2 for name, n, _ in HSDP_LAYOUTS}
+    gathers = []
+    for fn in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, fn):
+            real = getattr(dist, fn)
+
+            def counted(output, tensor, *args, _real=real, **kwargs):
+                gathers.append((dist.get_world_size(kwargs.get("group")), output.numel() * output.element_size()))
+                return _real(output, tensor, *args, **kwargs)
+
+            setattr(dist, fn, counted)
+    out = {}
+    for mode in ("error_feedback", "stochastic"):
+        config = FairCastConfig(enabled=True, mode=mode, seed=4)
+        caster = FairCaster(config)
+        for version in range(2):
+            for name, n, layout in HSDP_LAYOUTS:
+                offset, numel = layout[rank % 2]
+                q = fsdp.assemble_served(caster, name, (offset, fulls[name][offset: offset + numel]), (n,), "cpu",
+                                         group=shard_group)
+                full = FairCaster(config, version=version).cast(name, fulls[name]) if mode == "stochastic" else None
+                out[(mode, version, name)] = (bits(q).tolist(), None if full is None else bits(full).tolist())
+            caster.advance()
+    out["gathers"] = gathers
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def hsdp_exports():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_hsdp_rank, args=(os.path.join(tmp, "store"), results), nprocs=4)
+        return dict(results)
+
+
+def test_hsdp_export_gathers_over_the_shard_group_only(hsdp_exports):
+    """Every rank of both replicas assembles the same served copy (stochastic: ``fair_cast`` of the full master),
+    and every gather runs over the two ranks of its replica, not all four: each replica's bf16 shards cross only
+    its own links (before: every gather over the world, the replicas resending the same shards)."""
+    for rank in range(4):
+        for key, value in hsdp_exports[rank].items():
+            if key == "gathers":
+                assert value and all(world == 2 for world, _ in value), value
+                continue
+            got, full = value
+            assert got == hsdp_exports[0][key][0], (rank, key)
+            assert full is None or got == full, (rank, key)

@@ -30,6 +30,7 @@ def _state(monkeypatch, recorder, **cfg):
     caster = FairCaster(FairCastConfig(enabled=True, seed=1, **cfg))
     master = torch.linspace(-1, 1, N, dtype=torch.float32) / 3
     monkeypatch.setattr(engine, "registered_shards", lambda module: {"w": (0, master)})
+    monkeypatch.setattr(engine, "shard_groups", lambda module: {})  # the default group
     real_cast, real_fair_cast = caster.cast, engine.fair_cast
 
     def cast(name, m, **kw):
@@ -82,3 +83,85 @@ def test_shards_on_the_gpu_need_no_host_wait(monkeypatch):
     assert rec.calls == []
     engine.wait_for_offload_copies([torch.empty(1, device="meta"), torch.empty(1)])
     assert rec.calls == ["stream.synchronize"]
+
+
+# -- issue 29, finding 8: uneven FSDP2 shards and verl's non_blocking offload ----------------------------------
+
+class _Shard:
+    def __init__(self, dim):
+        self.dim = dim
+
+    def is_shard(self, dim=None):
+        return dim is None or dim == self.dim
+
+
+class _Replicate:
+    def is_shard(self, dim=None):
+        return False
+
+
+def _dtensor_like(shape, placements, mesh_shape):
+    mesh = types.SimpleNamespace(size=lambda dim=None: mesh_shape[dim] if dim is not None else int(torch.tensor(mesh_shape).prod()))
+    return types.SimpleNamespace(shape=torch.Size(shape), placements=placements, device_mesh=mesh)
+
+
+def test_uneven_fsdp2_shards_are_found_from_the_global_shape_on_every_rank():
+    """A Shard(0) parameter whose first dimension the shard group does not divide is padded on the short ranks: the
+    same answer on every rank (from the global shape), for FSDP2 and HSDP (Replicate, Shard) meshes."""
+    from faircast_plugins.fsdp import uneven_shards
+
+    params = {"even": _dtensor_like((12, 5), [_Shard(0)], (4,)), "uneven": _dtensor_like((10, 5), [_Shard(0)], (4,)),
+              "hsdp_even": _dtensor_like((6, 5), [_Replicate(), _Shard(0)], (4, 2)),
+              "hsdp_uneven": _dtensor_like((7, 5), [_Replicate(), _Shard(0)], (4, 2)),
+              "plain": torch.zeros(3, 3)}
+    module = types.SimpleNamespace(named_parameters=lambda: iter(params.items()))
+    assert uneven_shards(module) == ["uneven", "hsdp_uneven"]
+
+
+def test_offload_of_a_module_with_uneven_shards_is_blocking():
+    """torch re-pads an uneven FSDP2 shard with a host copy inside ``module.to("cpu", non_blocking=True)``
+    (``FSDPParam.reset_sharded_param``), reading the pinned destination before the device-to-host copy has landed:
+    Fair Cast would export stale masters. For a module with uneven shards under Fair Cast the offload is a blocking
+    copy; other modules keep verl's non_blocking offload (negative control)."""
+    pytest.importorskip("verl")
+    from faircast_plugins.verl import patches
+
+    seen = []
+
+    class Module:
+        def to(self, device, non_blocking=False):
+            seen.append((device, non_blocking))
+
+    def verl_offload(model, empty_cache=True):
+        model.to("cpu", non_blocking=True)
+
+    offload = patches._wrap_offload(verl_offload)
+    plain, marked = Module(), Module()
+    engine.mark_blocking_offload(marked)
+    offload(plain)
+    offload(marked, empty_cache=False)
+    assert seen == [("cpu", True), ("cpu", False)]
+
+
+# -- issue 29, finding 5: the stateful export of offloaded masters casts on the device, state stays there -------
+
+@pytest.mark.parametrize("cfg", [{"mode": "error_feedback"}, {"ema_decay": 0.5}], ids=["error_feedback", "ema"])
+def test_stateful_export_of_an_offloaded_shard_casts_on_the_export_device(monkeypatch, cfg):
+    """verl's param_offload leaves the master shards on the host while the export's tensors are on the GPU: the
+    error-feedback/EMA assembly stages the shard to the export's device and casts there, so the residual (or EMA),
+    which follows the cast's input (tests/core/test_caster.py), stays on the device it lives on at the all-gather:
+    no host cast, no state moving device every step. The "meta" device stands in for the GPU (the cast is recorded,
+    not run). Control: a shard already on the export's device is not copied, nor a host shard for a host export."""
+    from faircast_plugins.fsdp import assemble_served, stage_for_cast
+
+    caster = FairCaster(FairCastConfig(enabled=True, seed=1, **cfg))
+    gpu, seen = torch.device("meta"), []
+    monkeypatch.setattr(caster, "cast", lambda name, m, **kw: seen.append(m.device) or
+                        torch.zeros(m.numel(), dtype=torch.bfloat16, device=m.device))
+    host_master = torch.linspace(-1, 1, N, dtype=torch.float32) / 3
+    q = assemble_served(caster, "w", (0, host_master), (N,), gpu)
+    assert seen == [gpu] and q.device == gpu and q.dtype == torch.bfloat16
+    on_device = torch.zeros(N, device=gpu)
+    assert stage_for_cast(on_device, gpu) is on_device and stage_for_cast(host_master, torch.device("cpu")) is host_master
+    # FSDP's own CPU offload casts on the host at every all-gather, where the state then lives: it stays there
+    assert stage_for_cast(host_master, gpu, torch.device("cpu")) is host_master

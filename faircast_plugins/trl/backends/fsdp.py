@@ -106,15 +106,17 @@ class FSDPBackend(Backend):
         cast of its own shard (:func:`faircast_plugins.fsdp.assemble_served`): a collective, sound because TRL's FSDP2
         sync walks the same names in the same order on every rank. Unregistered tensors (frozen parameters) pass
         unchanged, i.e. round to nearest in the engine, as FSDP's stock cast does."""
-        from ...fsdp import assemble_served, registered_shards
+        from ...fsdp import assemble_served, registered_shards, shard_groups
 
         shards = registered_shards(self.trainer.model) if self.stateful else None
+        groups = shard_groups(self.trainer.model) if self.stateful else {}
         for name, tensor in stream:
             cast_name = self.names.get(canonical_name(name))
             if cast_name is None or tensor.dtype != torch.float32:
                 yield name, tensor
             elif shards is not None:
-                yield name, assemble_served(self.caster, cast_name, shards.get(cast_name), tensor.shape, tensor.device)
+                yield name, assemble_served(self.caster, cast_name, shards.get(cast_name), tensor.shape, tensor.device,
+                                            groups.get(cast_name))
             else:
                 yield name, fair_cast(tensor.detach().contiguous(), key=self.caster.key(cast_name),
                                       mode=self.caster.mode, backend=self.config.backend)

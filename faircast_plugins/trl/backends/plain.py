@@ -10,7 +10,7 @@
 Generation (with or without vLLM), old log-probs and the loss all see ``q``; autocast's bf16 cast of ``q`` is exact,
 and so is vLLM's ``copy_`` into its bf16 weights.
 
-Cost: +2 B/param for ``stochastic``, ``sticky`` and ``nearest``: a master is kept as its low 16 bits plus an exception
+Cost: +2 B/param for ``stochastic`` and ``sticky`` (and ``nearest`` with ``faircast_master_bytes: 2``): a master is kept as its low 16 bits plus an exception
 list (:mod:`faircast_plugins.master16`) and rebuilt in place from ``q`` before each step, so "``p <- master``" is a
 recovery and "``master <- p``" takes the low bits. Error feedback and EMA keep fp32 masters (+4 B, plus their own
 state): their ``q`` is not a function of the master alone. Frozen parameters keep theirs in 2 B too. While saving,
@@ -28,7 +28,8 @@ import torch
 
 from ...audit import sample_positions
 from ...cast import fair_cast
-from ...master16 import COMPACT_MODES, Compact, compact, recover, recover_
+from ...cast import STOCHASTIC_RULE
+from ...master16 import COMPACT_MODES, Compact, compact, compact_all, recover, recover_
 from . import Backend, restoring_buffers
 
 
@@ -50,8 +51,11 @@ class ShadowMasters(Backend):
     def compact_trainable(self) -> bool:
         """Trainable masters kept in 2 B: the served copy gives them back (not with EMA or error feedback, whose served
         copy is not a function of the master alone)."""
-        if getattr(self.trainer.args, "faircast_master_bytes", 2) == 4:  # the user's choice: fp32 masters, no recovery
+        master_bytes = getattr(self.trainer.args, "faircast_master_bytes", None)
+        if master_bytes == 4:  # the user's choice: fp32 masters, no recovery
             return False
+        if master_bytes is None and self.caster.mode == "nearest":  # no fused nearest compaction: its chunked torch
+            return False  # reference would cost launches and host syncs per 1M elements every step (docs/trl.md)
         return self.shadow and self.caster.mode in COMPACT_MODES and not self.caster.ema_on
 
     # -- the masters: kept in fp32 (``full``), or as 2 B beside the served copy (``compacts``) ----------------------
@@ -129,11 +133,17 @@ class ShadowMasters(Backend):
             return
         stale = [n for n in self.params if n not in self.in_params and self.compacts[n].key != self._key(n)]
         self._recover_in_params(stale)  # served at another version (a resume without a checkpoint's masters)
-        for n in [n for n in self.params if n in self.in_params]:  # one at a time: no second copy of the model
+        names = [n for n in self.params if n in self.in_params]
+        fresh = {}
+        if self.caster.mode in STOCHASTIC_RULE:  # from the intact masters, with one host read for the whole step
+            buffers = {n: self._buffer(n) for n in names if n in self.compacts}
+            fresh = compact_all({n: self.params[n].data for n in names}, keys={n: self._key(n) for n in names},
+                                mode=self.caster.mode, backend=self.config.backend, buffers=buffers)
+        for n in names:  # one at a time: no second copy of the model
             p = self.params[n]
             q = self.caster.cast(n, p.data)
-            self.compacts[n] = compact(p.data, q, key=self._key(n), mode=self.caster.mode,
-                                       backend=self.config.backend, low16=self._buffer(n))
+            self.compacts[n] = fresh[n] if n in fresh else compact(p.data, q, key=self._key(n), mode=self.caster.mode,
+                                                                   backend=self.config.backend, low16=self._buffer(n))
             p.data.copy_(q)
             self.in_params.discard(n)
 
@@ -146,9 +156,10 @@ class ShadowMasters(Backend):
         if self.caster.audit is None:
             return
         for n, p in self.params.items():
-            flat = p.detach().reshape(-1).float()
+            flat = p.detach().reshape(-1)
             pos = sample_positions(flat.numel(), self.config.audit_sample, flat.device)
-            self.caster.cast(n, flat) if pos is None else self.caster.cast(n, flat[pos], indices=pos)
+            # index first, then widen: the sample only, not a full fp32 copy of each parameter every step
+            self.caster.cast(n, flat.float()) if pos is None else self.caster.cast(n, flat[pos].float(), indices=pos)
 
     def before_step(self) -> None:
         if self.shadow:

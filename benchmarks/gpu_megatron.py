@@ -1,0 +1,109 @@
+"""Fair Cast on megatron-core on one GPU: tests/megatron/worker.py's scenarios under NCCL, with no CPU stand-ins.
+
+Run by ``benchmarks/gpu_acceptance.py`` (part ``megatron``; megatron-core 0.16.1 travels in ``.whl/``); alone:
+
+    python3 benchmarks/gpu_megatron.py --json out/megatron.json [--cpu-smoke]
+
+One torchrun launch of one rank (``FAIRCAST_MEGATRON_DEVICE=cuda``: NCCL, the model on the GPU, the reference cast
+recomputed on the CPU from the gathered fp32 masters) runs the distributed and Float16 optimizers with Fair Cast on
+(every bf16 param must be ``fair_cast(master)`` and differ from round-to-nearest) and off (the stock controls: every
+param round-to-nearest), resume bit for bit (stochastic, error feedback, EMA), a skipped step, a copy around Fair
+Cast, and the refusals. Under ``--cpu-smoke`` the same launch runs on the CPU with gloo and the stand-ins (how CI
+runs this script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from gpu_report import Report, Skip, say  # noqa: E402
+
+SCENARIOS = ("do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "skip", "bypass", "refusals")
+RESUME_VERSION = 3  # two steps, a save, a load and one more step
+
+
+def launch(smoke: bool, out: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    if not smoke:
+        env["FAIRCAST_MEGATRON_DEVICE"] = "cuda"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={port}",
+           os.path.join(ROOT, "tests", "megatron", "worker.py"), out, *SCENARIOS]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+def judge(report: Report, results: dict) -> None:
+    """The pass criteria of tests/megatron/test_megatron.py, for one rank."""
+    check = report.check
+    for name in SCENARIOS:
+        (r,) = results[name]
+        if "error" in r:
+            check(f"megatron {name}: runs", False, r["error"][-1500:])
+            continue
+        if "check" in r:
+            c = r["check"]
+            on = not name.endswith("_off")
+            want = c["params"] if on else 0
+            check(f"megatron {name}: every bf16 param is {'fair_cast(master)' if on else 'round-to-nearest'} "
+                  f"({c['params']} params)", c["mismatches"] == [] and c["params"] > 0 and c["differs_from_rtn"] == want,
+                  f"mismatches {c['mismatches'][:5]}, {c['differs_from_rtn']} of {c['params']} differ from nearest")
+        if "resume" in r:
+            res = r["resume"]
+            check(f"megatron {name}: resume bit for bit", res["mismatches"] == [] and res["version"] == RESUME_VERSION,
+                  str(res)[:300])
+    check("megatron skip: a skipped step keeps the version and the weights",
+          results["skip"][0] == {"success": False, "version": 1, "unchanged": True}, str(results["skip"][0]))
+    raised = results["bypass"][0].get("raised") or ""
+    check("megatron bypass: a copy around Fair Cast fails the step", "cast 0 elements" in raised, raised[:300])
+    refusals = dict(results["refusals"][0])
+    check("megatron refusals: each refused with its option named",
+          refusals.pop("disabled_attaches_nothing", None) is True and all(v == "refused" for v in refusals.values()),
+          str(refusals)[:300])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="on the CPU with gloo and the stand-ins")
+    parser.add_argument("--json", default="gpu_megatron.json", help="results")
+    args = parser.parse_args()
+    report = Report(args.json)
+
+    def section() -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("megatron.core") is None:
+            raise Skip("megatron-core is not installed (on the device it travels as a wheel: bash "
+                       "benchmarks/gpu_wheels.sh, then carry .whl)")
+        import torch
+
+        if not args.cpu_smoke and not torch.cuda.is_available():
+            raise Skip("no CUDA device (use --cpu-smoke)")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "worker.json")
+            proc = launch(args.cpu_smoke, out)
+            if proc.returncode != 0 or not os.path.exists(out):
+                raise RuntimeError(f"torchrun failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+            with open(out) as fh:
+                results = json.load(fh)
+        report.results["worker"] = results
+        judge(report, results)
+
+    say(f"gpu_megatron ({'CPU smoke' if args.cpu_smoke else 'CUDA'})")
+    report.section("megatron", section)
+    return report.finish("gpu_megatron")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

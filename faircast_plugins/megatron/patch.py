@@ -1,0 +1,403 @@
+"""Fair Cast for Megatron-core bf16 training: the main->model param copy after each optimizer step.
+
+Megatron-core trains bf16 params (the forward, hence the loss and the old log-probs, read them; verl's bridge
+export, NeMo-RL's and slime's weight sync send them) from fp32 main params inside its optimizer, which writes them
+back after every step with a round-to-nearest ``copy_`` in one of two places:
+
+=====================================================  ============================================================
+``DistributedOptimizer._copy_main_params_to_model_params``  this rank's DP range of each param, into the bucket's
+                                                      ``param_data`` (then all-gathered, at once or overlapped
+                                                      with the next forward: the gather moves these bits)
+``Float16OptimizerWithFloat16Params._copy_main_params_to_model_params``  every whole TP-local param
+=====================================================  ============================================================
+
+The patch wraps both at the class level (inert for optimizers without ``_faircast``: critic, reference) and casts
+each (fp32 main, bf16 destination) pair per ROUNDING.md, keyed by :func:`~.layout.param_keys` (canonical name,
+full-tensor element index). It also wraps ``step`` of ``MixedPrecisionOptimizer`` and ``ChainedOptimizer``: the
+top-level optimizer's step advances the weight version once (a chained optimizer holds the dense and the expert
+optimizers) and rolls it back when the step is skipped (``found_inf``) or raises before any cast. After each step
+a collective check makes every rank confirm that the data-parallel ranks of each optimizer together cast every
+element of its bf16 params exactly once; when one rank fails, all of them raise.
+
+Options under which the copy is not what the forward reads and the engine serves are refused at attach.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from ..audit import reduce_metrics
+from ..caster import FairCaster
+from ..export import save_state
+from ..patching import FairCastPatchError, PatchSet, installed_version
+from .layout import LayoutError, ParamKey, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys
+
+logger = logging.getLogger("faircast_plugins")
+
+DISTRIBUTION = "megatron-core"
+#: 0.16.x ran here (CPU, gloo, tests/megatron); 0.18.2 (verl 0.9.1's pin through megatron-bridge 0.5.2) was read
+#: from its sources: the same copy, range map and bucket layout (docs/megatron.md).
+MEGATRON_SPECIFIER = ">=0.16.0rc0,!=0.17.*,!=0.18.0,!=0.18.1,<0.18.3"
+STATE_FILE = "faircast_state_rank{rank:05d}.pt"
+SUPPORTED = {
+    "DistributedOptimizer": "megatron.core.optimizer.distrib_optimizer",
+    "Float16OptimizerWithFloat16Params": "megatron.core.optimizer.optimizer",
+}
+
+
+def _installed() -> str:
+    return installed_version(DISTRIBUTION) or "?"
+
+
+def _sub_optimizers(optimizer) -> List:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+class MegatronFairCast:
+    """Fair Cast state of one Megatron-core optimizer (chained or not): the caster and the key of every bf16 param."""
+
+    def __init__(self, optimizer, caster: FairCaster, keys: Dict[int, ParamKey]):
+        self.optimizer = optimizer
+        self.caster = caster
+        self.keys = keys
+        self.cast_by_optimizer: Dict[int, int] = {}  # id(sub-optimizer) -> elements cast in this step
+        self.problem: Optional[str] = None
+        self.last_step_elements = 0
+        # With ema_decay the EMA starts from the served weights only before the first step of a fresh run.
+        self.ema_may_start = caster.version == 0
+
+    # -- the casts -------------------------------------------------------------------------------------------
+    def _cast(self, key: ParamKey, main: torch.Tensor, start: int, end: int, dst: torch.Tensor, step_ema: bool) -> None:
+        main = main.detach().reshape(-1)
+        if key.contiguous or self.caster.mode == "error_feedback":  # error feedback is index-free
+            where = {"offset": key.offset(start) if key.contiguous else start}
+        else:
+            where = {"offset": start, "indices": key.indices(start, end, device=main.device)}
+        if step_ema and self.caster.ema_on:
+            start_value = dst.float() if self.ema_may_start else None
+            if not self.ema_may_start and not self.caster.has_ema(key.name):
+                self.problem = self.problem or (f"no EMA state for {key.name} after the first step: restore the Fair Cast "
+                                                f"state of the checkpoint (MegatronFairCast.load)")
+                return
+            self.caster.update_ema(key.name, main, start=start_value)
+        if "indices" in where:
+            self.caster.cast(key.name, main, indices=where["indices"], out=dst)
+        else:
+            self.caster.cast(key.name, main, offset=where["offset"], out=dst)
+
+    def copy_distributed(self, opt, step_ema: bool = True) -> None:
+        """The distributed optimizer's main->model copy, cast."""
+        cast = 0
+        for main, param, start, end, dst in dp_ranges(opt):
+            key = self.keys.get(id(param))
+            if key is None:
+                self.problem = self.problem or f"a bf16 param of shape {tuple(param.shape)} has no Fair Cast key"
+                dst.copy_(main)
+                continue
+            self._cast(key, main, start, end, dst, step_ema)
+            cast += end - start
+        for main, dst in fp32_ranges(opt):
+            dst.copy_(main)
+        self.cast_by_optimizer[id(opt)] = self.cast_by_optimizer.get(id(opt), 0) + cast
+
+    def copy_float16(self, opt, step_ema: bool = True) -> None:
+        """The Float16 optimizer's main->model copy, cast."""
+        cast = 0
+        for main, param in float16_pairs(opt):
+            key = self.keys.get(id(param))
+            if key is None:
+                self.problem = self.problem or f"a bf16 param of shape {tuple(param.shape)} has no Fair Cast key"
+                param.data.copy_(main)
+                continue
+            self._cast(key, main, 0, param.numel(), param.data.view(-1), step_ema)
+            cast += param.numel()
+        self.cast_by_optimizer[id(opt)] = self.cast_by_optimizer.get(id(opt), 0) + cast
+
+    # -- one optimizer step ----------------------------------------------------------------------------------
+    def step(self, original, opt, *args, **kwargs):
+        self.cast_by_optimizer, self.problem = {}, None
+        self.caster.advance(masters=())  # the copy writes the weights after this step: the next version
+        try:
+            result = original(opt, *args, **kwargs)
+        except BaseException:
+            if not self.cast_by_optimizer:
+                self.caster.rollback()
+            raise
+        success = result[0] if isinstance(result, tuple) else result
+        if not success:  # found_inf: Megatron returned before the copy; the weights keep the last version
+            if self.cast_by_optimizer:
+                raise FairCastPatchError("Megatron reported a skipped step after Fair Cast had cast its weights")
+            self.caster.rollback()
+            return result
+        problem = _on_any_rank(self._check(), first_device(opt))
+        if problem:
+            raise FairCastPatchError(problem)
+        self.last_step_elements = sum(self.cast_by_optimizer.values())
+        self.ema_may_start = False
+        return result
+
+    def _check(self) -> Optional[str]:
+        """Why the data-parallel ranks of some optimizer did not cast each bf16 element exactly once (None if fine).
+
+        A collective over each distributed optimizer's data-parallel group."""
+        if self.problem:
+            return self.problem
+        for opt in _sub_optimizers(self.optimizer):
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            owned = _bf16_elements(opt)
+            cast = self.cast_by_optimizer.get(id(opt), 0)
+            group = getattr(opt, "data_parallel_group", None) if type(opt).__name__ == "DistributedOptimizer" else None
+            if group is not None and torch.distributed.get_world_size(group) > 1:
+                total = torch.tensor([cast], dtype=torch.int64, device=first_device(opt))
+                torch.distributed.all_reduce(total, group=group)
+                cast = int(total.item())
+            if cast != owned:
+                return (f"Fair Cast cast {cast} elements of the {owned} bf16 elements of {type(opt).__name__} over its "
+                        f"data-parallel ranks in this step with megatron-core {_installed()}: part of the served bf16 "
+                        f"copy was written outside Fair Cast (round-to-nearest) or twice. This megatron-core version or "
+                        f"configuration is not supported.")
+        return None
+
+    def metrics(self) -> dict:
+        """The ``faircast/*`` metrics since the last call, the audit's sums added over every rank (a collective with
+        the audit on: every rank calls it)."""
+        return reduce_metrics(self.caster, device=first_device(self.optimizer))
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def state_path(self, directory: str) -> str:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return os.path.join(directory, STATE_FILE.format(rank=rank))
+
+    def _sharding(self) -> dict:
+        """What a rank's per-element state depends on: the DP ranges it casts."""
+        ranges = []
+        for opt in _sub_optimizers(self.optimizer):
+            if type(opt).__name__ == "DistributedOptimizer":
+                ranges += [(self.keys[id(p)].name, s, e) for _, p, s, e, _ in dp_ranges(opt) if id(p) in self.keys]
+            else:
+                ranges += [(self.keys[id(p)].name, 0, p.numel()) for _, p in float16_pairs(opt) if id(p) in self.keys]
+        return {"ranges": sorted(ranges)}
+
+    def save(self, directory: str) -> str:
+        """Write this rank's Fair Cast state (seed, weight version, residuals or EMA of its DP ranges) to ``directory``."""
+        path = self.state_path(directory)
+        return str(save_state(self.caster, directory, filename=os.path.basename(path),
+                              extra={"megatron": self._sharding()}))
+
+    def load(self, directory: str, *, step: Optional[int] = None) -> None:
+        """Restore this rank's state from ``directory`` (written by :meth:`save`). Without a state file, stateless
+        modes resume at weight version ``step`` (the trainer's optimizer step count); stateful ones refuse."""
+        path = self.state_path(directory)
+        if not os.path.exists(path):
+            if self.caster.keeps_state:
+                raise FairCastPatchError(
+                    f"resuming with faircast {self.caster.config.describe()} needs this rank's Fair Cast state (error-"
+                    f"feedback residuals or EMA), but {path} does not exist (a checkpoint written without Fair Cast, "
+                    f"or at another world size)")
+            if step is None:
+                raise FairCastPatchError(f"{path} does not exist: pass the optimizer step to resume at (step=)")
+            self.caster.set_version(int(step))
+            self.ema_may_start = False
+            return
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if self.caster.keeps_state:
+            saved, now = state.get("megatron", {}).get("ranges"), self._sharding()["ranges"]
+            if saved is not None and [tuple(r) for r in saved] != now:
+                raise FairCastPatchError(
+                    f"the Fair Cast state in {directory} holds residuals/EMA of other data-parallel ranges than this "
+                    f"rank casts: it is per-rank state; resume with the same parallel layout (TP, PP, EP, DP) and buckets")
+        self.caster.load_state_dict(state)
+        self.ema_may_start = False
+
+
+def _bf16_elements(opt) -> int:
+    """How many bf16 param elements the optimizer's main->model copy must write, over its data-parallel ranks."""
+    if type(opt).__name__ == "DistributedOptimizer":  # its groups hold only the params this rank has a range of
+        return sum(p.numel() for buffer in opt.buffers for p in buffer.params if p.dtype == torch.bfloat16)
+    return sum(p.numel() for group in opt.float16_groups for p in group)
+
+
+def _bf16_groups(opt):
+    if type(opt).__name__ == "DistributedOptimizer":
+        return opt.model_float16_groups
+    return opt.float16_groups
+
+
+def _on_any_rank(problem: Optional[str], device) -> Optional[str]:
+    """Every rank learns whether any rank found a problem, so all of them raise (none waits in a later collective)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return problem
+    world = torch.distributed.get_world_size()
+    failed = torch.zeros(world, dtype=torch.int32, device=device)
+    failed[torch.distributed.get_rank()] = int(problem is not None)
+    torch.distributed.all_reduce(failed)
+    ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+    if problem is None and ranks:
+        problem = f"Fair Cast failed on rank(s) {ranks} (see their error); every rank stops here"
+    return problem
+
+
+# -- the class-level patches ---------------------------------------------------------------------------------
+def _fc(opt) -> Optional[MegatronFairCast]:
+    return opt.__dict__.get("_faircast")
+
+
+def _wrap_distributed_copy(original):
+    @functools.wraps(original)
+    def _copy_main_params_to_model_params(self, *args, **kwargs):
+        fc = _fc(self)
+        if fc is None or getattr(self, "is_stub_optimizer", False):
+            return original(self, *args, **kwargs)
+        return fc.copy_distributed(self)
+
+    return _copy_main_params_to_model_params
+
+
+def _wrap_float16_copy(original):
+    @functools.wraps(original)
+    def _copy_main_params_to_model_params(self, *args, **kwargs):
+        fc = _fc(self)
+        if fc is None:
+            return original(self, *args, **kwargs)
+        return fc.copy_float16(self)
+
+    return _copy_main_params_to_model_params
+
+
+def _wrap_step(original):
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        fc = _fc(self)
+        if fc is None or fc.optimizer is not self:  # only the top-level optimizer's step counts a version
+            return original(self, *args, **kwargs)
+        return fc.step(original, self, *args, **kwargs)
+
+    return step
+
+
+def _build_patchset() -> PatchSet:
+    opt = "megatron.core.optimizer.optimizer:"
+    return (
+        PatchSet("Megatron-core", DISTRIBUTION, MEGATRON_SPECIFIER)
+        .wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params",
+              _wrap_distributed_copy)
+        .wrap(opt + "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params", _wrap_float16_copy)
+        .wrap(opt + "MixedPrecisionOptimizer.step", _wrap_step)
+        .wrap(opt + "ChainedOptimizer.step", _wrap_step)
+    )
+
+
+PATCHES = _build_patchset()
+
+
+def install_megatron_patch() -> PatchSet:
+    """Install the class-level Megatron-core patches (idempotent). They act only on optimizers with Fair Cast."""
+    return PATCHES.apply(details="main->model param copy of optimizers with Fair Cast attached follows ROUNDING.md")
+
+
+def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None) -> Optional[MegatronFairCast]:
+    """Make ``optimizer``'s fp32 -> bf16 main->model param copy follow the Fair Cast contract.
+
+    ``optimizer``: what ``megatron.core.optimizer.get_megatron_optimizer`` returned for the policy (a
+    ``ChainedOptimizer``, a ``DistributedOptimizer`` or a ``Float16OptimizerWithFloat16Params``); only that one
+    (critic and reference optimizers stay as they are). ``caster``: at the weight version of the optimizer's
+    masters (0 for a fresh run; :meth:`MegatronFairCast.load` on resume). ``model_chunks``: the model chunks
+    the optimizer was built for (default: the optimizer's own ``model_chunks``).
+
+    Returns the attached :class:`MegatronFairCast` (also ``optimizer._faircast``), or None when the config is
+    neither enabled nor auditing. Raises :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported
+    megatron-core versions, optimizers and options.
+    """
+    if not caster.config.active:
+        return None
+    install_megatron_patch()
+    subs = _sub_optimizers(optimizer)
+    check_optimizer(optimizer)
+    if model_chunks is None:
+        model_chunks = [c for opt in subs for c in (getattr(opt, "model_chunks", None) or [])]
+        model_chunks = list({id(c): c for c in model_chunks}.values())
+    if not model_chunks:
+        raise FairCastPatchError("pass model_chunks=: this Megatron optimizer does not keep its model chunks")
+    for refusal in refused_model_options(model_chunks):
+        raise FairCastPatchError(f"Fair Cast's Megatron-core patch does not support {refusal}")
+    try:
+        keys = param_keys(model_chunks)
+    except LayoutError as exc:
+        raise FairCastPatchError(f"Fair Cast cannot key this Megatron model: {exc}") from None
+    missing = [tuple(p.shape) for opt in subs for g in _bf16_groups(opt) for p in g if id(p) not in keys]
+    if missing:
+        raise FairCastPatchError(f"{len(missing)} bf16 params of the optimizer (first: shape {missing[0]}) are not in "
+                                 f"the model chunks given; pass every chunk the optimizer was built for")
+    fc = MegatronFairCast(optimizer, caster, keys)
+    for opt in subs:
+        opt.__dict__["_faircast"] = fc
+    if len(subs) > 1 or subs[0] is not optimizer:
+        optimizer.__dict__["_faircast"] = fc
+    logger.warning(
+        "Fair Cast attached to Megatron-core %s (%s, %d bf16 params): %s, weight version %d", _installed(),
+        "+".join(type(o).__name__ for o in subs), len(keys), caster.config.describe(), caster.version,
+    )
+    return fc
+
+
+def remove_megatron_patch(optimizer) -> None:
+    """Detach Fair Cast from ``optimizer``: its main->model copy is round-to-nearest again."""
+    for opt in _sub_optimizers(optimizer) + [optimizer]:
+        opt.__dict__.pop("_faircast", None)
+
+
+def check_optimizer(optimizer) -> None:
+    """Refuse, with the reason, the optimizers and options whose bf16 params Fair Cast cannot make bit-exact."""
+    for opt in _sub_optimizers(optimizer):
+        name = type(opt).__name__
+        if SUPPORTED.get(name) != type(opt).__module__:
+            raise FairCastPatchError(
+                f"Fair Cast's Megatron-core patch supports the {' and '.join(SUPPORTED)} (in a ChainedOptimizer or "
+                f"alone); this optimizer is {type(opt).__module__}.{name} (layer-wise / Muon and FP32 optimizers write "
+                f"or keep the params elsewhere). Use the distributed optimizer with Adam (use_distributed_optimizer)")
+        for refusal in refused_options(opt):
+            raise FairCastPatchError(f"Fair Cast's Megatron-core patch does not support {refusal}")
+
+
+def refused_options(opt):
+    """Options of one optimizer under which its main->model copy is not what the forward reads and is served."""
+    config = opt.config
+    ddp = getattr(opt, "ddp_config", None)
+    if getattr(config, "fp16", False) or not getattr(config, "bf16", False):
+        yield ("fp16 or fp32 training (OptimizerConfig.fp16/bf16): Fair Cast serves bf16 params from fp32 masters. "
+               "Train in bf16 (bf16=True); verl: actor.megatron.dtype=bfloat16")
+    if getattr(config, "use_precision_aware_optimizer", False):
+        yield ("the precision-aware optimizer (use_precision_aware_optimizer): the main->model copy happens inside "
+               "TransformerEngine's FusedAdam, outside the copy Fair Cast patches. Set use_precision_aware_optimizer="
+               "False (verl sets it for fp16 and for optimizer offload)")
+    if getattr(config, "optimizer_cpu_offload", False):
+        yield ("optimizer CPU offload (optimizer_cpu_offload, HybridDeviceOptimizer): the masters are updated and copied "
+               "back by the hybrid optimizer, not yet tested with Fair Cast. Keep the optimizer on the GPU")
+    if (getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False) or getattr(ddp, "fp8_param_gather", False)
+            or getattr(ddp, "fp4_param_gather", False)):
+        yield ("fp8/fp4/MXFP8 param gathers (fp8_param_gather, fp4_param_gather, reuse_grad_buf_for_mxfp8_param_ag): the params are "
+               "quantized from the masters, so the forward does not read a bf16 copy. Gather bf16 params")
+    if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+        yield ("Megatron-FSDP (use_megatron_fsdp): its main->model copy is copy_main_weights_to_model_weights in "
+               "megatron_fsdp, not patched. Use the distributed optimizer (use_distributed_optimizer=True)")
+
+
+def refused_model_options(model_chunks):
+    """Model options under which the bf16 params are not what the engine serves."""
+    from .layout import _unwrap
+
+    for chunk in model_chunks:
+        config = getattr(_unwrap(chunk), "config", None)
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            yield ("zero-centred norms (layernorm_zero_centered_gamma): the served norm weight is param + 1, added in "
+                   "bf16 by the export (a second rounding). Use a model without zero-centred gamma")
+            return
+        if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            yield ("fp8/fp4 training (TransformerConfig.fp8/fp4): the forward reads quantized weights, not the bf16 copy "
+                   "Fair Cast writes. Train in bf16")
+            return

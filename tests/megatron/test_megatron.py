@@ -1,0 +1,172 @@
+"""Fair Cast on megatron-core 0.16.1 (CPU, gloo): the served bf16 params after each step, for every layout.
+
+Two torchrun launches serve every test (a launch costs ~10 s of imports): world size 1 and world size 2; each runs
+its scenarios (tests/megatron/worker.py) one after another in one process group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass"]
+WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume"]
+LAUNCH_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, scenarios, tmp_path_factory) -> dict:
+    """Run ``scenarios`` of tests/megatron/worker.py in one torchrun launch of ``nproc`` ranks: ``{name: [per rank]}``."""
+    out = tmp_path_factory.mktemp(f"megatron_ws{nproc}") / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+           os.path.join(HERE, "worker.py"), str(out), *scenarios]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"torchrun ws{nproc} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def ws1(tmp_path_factory):
+    return launch(1, WS1, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ws2(tmp_path_factory):
+    return launch(2, WS2, tmp_path_factory)
+
+
+def _ranks(results, name):
+    ranks = results[name]
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, errors[0]
+    return ranks
+
+
+def _served_fair_cast(results, name, layout=""):
+    for r in _ranks(results, name):
+        check = r["check"]
+        assert r["steps_ok"] and r["version"] == 2, r
+        assert check["mismatches"] == [], f"{name}{layout}: served != fair_cast(master) for {check['mismatches']}"
+        assert check["differs_from_rtn"] == check["params"] > 0, f"{name}: some params are still round-to-nearest"
+
+
+def _served_rtn(results, name):
+    for r in _ranks(results, name):
+        check = r["check"]
+        assert check["mismatches"] == [] and check["differs_from_rtn"] == 0, check
+
+
+@pytest.mark.parametrize("name", ["do", "f16"])
+def test_world1_serves_fair_cast_of_the_master(ws1, name):
+    _served_fair_cast(ws1, name)
+
+
+@pytest.mark.parametrize("name", ["do_off", "f16_off"])
+def test_world1_stock_control_is_round_to_nearest(ws1, name):
+    _served_rtn(ws1, name)
+
+
+@pytest.mark.parametrize("name", ["do", "f16", "overlap", "tp2", "pp2", "ep2"])
+def test_world2_layouts_serve_fair_cast_of_the_master(ws2, name):
+    _served_fair_cast(ws2, name)
+    if name in ("do", "overlap"):  # the distributed optimizer's DP ranks split what the Float16 one casts on each
+        whole = {r["elements_cast"] for r in ws2["f16"]}
+        assert len(whole) == 1 and sum(r["elements_cast"] for r in ws2[name]) == whole.pop()
+        assert all(r["elements_cast"] > 0 for r in ws2[name])
+
+
+@pytest.mark.parametrize("name", ["do_off", "tp2_off"])
+def test_world2_stock_control_is_round_to_nearest(ws2, name):
+    _served_rtn(ws2, name)
+
+
+@pytest.mark.parametrize("name,axis", [("pp2", "pp"), ("ep2", "ep")])
+def test_stages_and_expert_ranks_never_share_a_key(ws2, name, axis):
+    """Local names repeat on every stage / expert rank; the canonical names of different tensors must not."""
+    ranks = _ranks(ws2, name)
+    assert ranks[0]["coords"][axis] != ranks[1]["coords"][axis]
+    names0, names1 = ranks[0]["check"]["names"], ranks[1]["check"]["names"]
+    shared = set(names0) & set(names1)
+    if axis == "pp":
+        assert shared == set(), shared
+    else:  # dense params are replicated over expert ranks; experts are not
+        assert not any(".experts." in n for n in shared), shared
+        experts = sorted(n for n in set(names0) | set(names1) if ".local_experts." in n)
+        assert {n.split(".local_experts.")[1].split(".")[0] for n in experts} == {"0", "1", "2", "3"}
+
+
+def test_tensor_parallel_keys_the_full_tensor(ws2):
+    """Both TP ranks key the same names (each its slice of the full tensor): the full-tensor check above passed."""
+    ranks = _ranks(ws2, "tp2")
+    assert ranks[0]["check"]["names"] == ranks[1]["check"]["names"]
+    assert {r["coords"]["tp"] for r in ranks} == {0, 1}
+
+
+@pytest.mark.parametrize("launch,name", [("ws1", "resume"), ("ws1", "ef_resume"), ("ws1", "ema_resume"),
+                                         ("ws2", "resume"), ("ws2", "ef_resume")])
+def test_resume_is_bit_exact(request, launch, name):
+    for r in _ranks(request.getfixturevalue(launch), name):
+        assert r["resume"]["version"] == 3 and r["resume"]["mismatches"] == [], r["resume"]
+        refused = r["resume"]["refused_without_state"]
+        assert (refused is None) == (name == "resume"), refused  # stateful modes need their saved state
+        assert refused is None or "does not exist" in refused
+    if name == "ema_resume":
+        _served_fair_cast(request.getfixturevalue(launch), name, " (EMA)")
+
+
+def test_every_refusal_names_the_option(ws1):
+    (r,) = _ranks(ws1, "refusals")
+    assert r.pop("disabled_attaches_nothing") is True
+    assert all(v == "refused" for v in r.values()), r
+
+
+def test_skipped_step_keeps_version_and_weights(ws1):
+    (r,) = _ranks(ws1, "skip")
+    assert r == {"success": False, "version": 1, "unchanged": True}
+
+
+def test_a_copy_around_fair_cast_fails_the_step(ws1):
+    (r,) = _ranks(ws1, "bypass")
+    assert r["raised"] and "cast 0 elements" in r["raised"], r
+
+
+def test_version_guard():
+    from faircast_plugins.megatron.patch import MEGATRON_SPECIFIER
+    from packaging.specifiers import SpecifierSet
+
+    spec = SpecifierSet(MEGATRON_SPECIFIER, prereleases=True)
+    assert {v for v in ("0.16.0rc0", "0.16.0", "0.16.1", "0.18.2") if v in spec} == {"0.16.0rc0", "0.16.0", "0.16.1", "0.18.2"}
+    assert not any(v in spec for v in ("0.15.3", "0.17.0", "0.18.1", "0.18.3", "0.20.0"))
+
+
+def test_unverified_release_is_refused_with_its_version(monkeypatch):
+    from faircast_plugins import patching
+    from faircast_plugins.megatron.patch import MEGATRON_SPECIFIER
+
+    monkeypatch.setattr(patching, "installed_version", lambda dist: "0.19.0")
+    monkeypatch.delenv(patching.ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(patching.FairCastPatchError, match="0.19.0"):
+        patching.check_version("megatron-core", MEGATRON_SPECIFIER)
+
+
+def test_audit_metrics(ws1):
+    (r,) = _ranks(ws1, "audit")
+    m = r["metrics"]
+    assert m["faircast/version"] == 2.0 and 0 < m["faircast/served_changed_frac"] <= 1
+    assert abs(m["faircast/lag_steps"]) < 0.5 and "faircast/bias_rel" in m
+    assert set(_ranks(ws1, "do")[0]["metrics"]) == {"faircast/version"}  # audit off: the version only

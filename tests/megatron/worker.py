@@ -1,0 +1,436 @@
+"""One torchrun launch that trains a tiny Megatron-core GPT through several layouts and checks the served bf16 params.
+
+    torchrun --nproc-per-node N tests/megatron/worker.py OUT_JSON SCENARIO [SCENARIO ...]
+
+Each scenario (names in :data:`SCENARIOS`) re-initialises Megatron's model parallelism in the same gloo process
+group, builds the model and optimizer, trains 2 steps and checks, from the full (TP=1) fp32 masters and the full
+served bf16 params gathered over every rank, that the served copy is ``fair_cast(master)`` per ROUNDING.md
+(Fair Cast on) or round-to-nearest (off). Rank 0 writes ``{scenario: result}`` to OUT_JSON.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.megatron import cpu_shims  # noqa: E402
+
+# FAIRCAST_MEGATRON_DEVICE=cuda: the same checks on a GPU (NCCL, no stand-ins), for the device script
+CUDA = os.environ.get("FAIRCAST_MEGATRON_DEVICE", "cpu") == "cuda"
+if not CUDA:
+    cpu_shims.install()
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+
+from faircast_plugins import FairCastConfig, FairCaster  # noqa: E402
+from faircast_plugins.cast import fair_cast  # noqa: E402
+from faircast_plugins.key import derive_key  # noqa: E402
+from faircast_plugins.megatron import apply_megatron_patch, remove_megatron_patch  # noqa: E402
+from faircast_plugins.patching import FairCastPatchError  # noqa: E402
+
+SEED = 1234
+VOCAB, SEQ, MBS = 96, 16, 2
+
+# name -> layout and options
+SCENARIOS = {
+    "do": dict(), "f16": dict(distributed=False), "do_off": dict(faircast=False), "f16_off": dict(distributed=False, faircast=False),
+    "overlap": dict(overlap=True), "tp2": dict(tp=2), "pp2": dict(pp=2, layers=4), "ep2": dict(ep=2, experts=4),
+    "tp2_off": dict(tp=2, faircast=False), "ef_resume": dict(mode="error_feedback", resume=True),
+    "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
+    "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
+}
+
+# option set on a real optimizer -> words the refusal must contain
+REFUSALS = [
+    ("config.fp16", True, "fp16"), ("config.bf16", False, "fp16 or fp32"),
+    ("config.use_precision_aware_optimizer", True, "precision-aware"),
+    ("config.optimizer_cpu_offload", True, "CPU offload"), ("ddp_config.fp8_param_gather", True, "fp8"),
+    ("config.reuse_grad_buf_for_mxfp8_param_ag", True, "MXFP8"), ("ddp_config.fp4_param_gather", True, "fp4"), ("ddp_config.use_megatron_fsdp", True, "Megatron-FSDP"),
+]
+
+
+def build(opts):
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=opts.get("tp", 1), pipeline_model_parallel_size=opts.get("pp", 1),
+                                 expert_model_parallel_size=opts.get("ep", 1))
+    model_parallel_cuda_manual_seed(SEED)
+    torch.manual_seed(SEED)
+    experts = opts.get("experts")
+    config = TransformerConfig(
+        num_layers=opts.get("layers", 2), hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=opts.get("tp", 1),
+        pipeline_model_parallel_size=opts.get("pp", 1), expert_model_parallel_size=opts.get("ep", 1),
+        num_moe_experts=experts, moe_router_topk=2 if experts else 2, moe_token_dispatcher_type="allgather",
+        moe_ffn_hidden_size=48 if experts else None, moe_aux_loss_coeff=0.0,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts), vocab_size=VOCAB,
+        max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=opts.get("distributed", True),
+        overlap_param_gather=opts.get("overlap", False), overlap_grad_reduce=opts.get("overlap", False),
+        bucket_size=3000 if opts.get("overlap") else None,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model.cuda() if CUDA else model))
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                                 use_distributed_optimizer=opts.get("distributed", True), clip_grad=1.0,
+                                 overlap_param_gather=opts.get("overlap", False))
+    for key, value in opts.get("opt_config", {}).items():
+        setattr(opt_config, key, value)
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    return config, model, optimizer
+
+
+def batch_step(model, step):
+    """Forward and backward of one batch (the batch is a function of ``step``)."""
+    g = torch.Generator().manual_seed(100 + step)
+    device = "cuda" if CUDA else "cpu"
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g).to(device)
+    position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(MBS, -1)
+    labels = torch.roll(tokens, -1, dims=1)
+
+    def forward_step(data_iterator, m):
+        out = m(tokens, position_ids, None, labels=labels)
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+                                num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+
+
+def train_step(config, model, optimizer, step):
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    batch_step(model, step)
+    return optimizer.step()
+
+
+def sync_params(model, optimizer):
+    """The served params after the step: finish any overlapped all-gather."""
+    if optimizer.config.overlap_param_gather:
+        model.start_param_sync(force_sync=True)
+
+
+def full_master_and_served(model, optimizer):
+    """``{local name: (param, full TP-local fp32 master, served bf16)}`` on this rank (masters summed over DP)."""
+    out = {}
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    masters = {}
+    for opt in subs:
+        if type(opt).__name__ == "DistributedOptimizer":
+            shards = {id(p): shard for mgroup, sgroup in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
+                      for p, shard in zip(mgroup, sgroup)}
+            # every DP rank walks the same params (a rank may own no range of some): sum the shards over DP
+            for p in [p for buffer in opt.buffers for p in buffer.params if p.dtype == torch.bfloat16]:
+                full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                if id(p) in shards:
+                    r = opt._get_model_param_range_map(p)["param"]
+                    full[r.start:r.end] = shards[id(p)].detach().view(-1)
+                dist.all_reduce(full, group=opt.data_parallel_group)
+                masters[id(p)] = full.view(p.shape)
+        else:
+            for mgroup, fgroup in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for p, main in zip(mgroup, fgroup):
+                    masters[id(p)] = main.detach().clone()
+    for name, p in model.module.named_parameters():
+        if id(p) in masters:
+            out[name] = (p, masters[id(p)], p.detach().clone())
+    return out
+
+
+def tp_full(t, p, expert):
+    """The full (TP=1) tensor of a TP-local ``t``, gathered over the TP group (Megatron's strided split undone)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return t
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    d, stride = p.partition_dim, getattr(p, "partition_stride", 1)
+    chunks = [part.chunk(stride, dim=d) for part in parts]
+    return torch.cat([chunks[r][c] for c in range(stride) for r in range(world)], dim=d)
+
+
+def full_params(model, optimizer):
+    """``{local name: (param, full TP=1 fp32 master, full served bf16)}``, gathered over DP and TP."""
+    out = {}
+    for name, (p, master, served) in full_master_and_served(model, optimizer).items():
+        expert = not getattr(p, "allreduce", True)
+        out[name] = (p, tp_full(master, p, expert), tp_full(served, p, expert))
+    return out
+
+
+def ema_of(history, decay):
+    """The EMA of the master over ``history`` (full masters at versions 0, 1, ...), as ROUNDING.md §4 defines it."""
+    ema = {n: m.clone() for n, m in history[0].items()}
+    for masters in history[1:]:
+        for n, m in ema.items():
+            d = masters[n] - m
+            d.mul_(1.0 - decay)
+            m.add_(d)
+    return ema
+
+
+def check(model, optimizer, fc, version, faircast, sources=None):
+    """Compare every served param with fair_cast (of the master, or of ``sources``) / round-to-nearest."""
+    mismatches, differs_from_rtn, count, names = [], 0, 0, {}
+    for name, (p, full_master, full_served) in full_params(model, optimizer).items():
+        # the reference is the CPU cast: on a GPU run this compares the device's kernel with the CPU one, bit for bit
+        full_master, full_served = full_master.cpu(), full_served.cpu()
+        rtn = full_master.to(torch.bfloat16)
+        if faircast:
+            key = fc.keys[id(p)]
+            names[key.name] = list(full_master.shape)
+            source = (sources or {}).get(name, full_master).cpu()
+            if fc.caster.mode == "error_feedback":
+                want = None  # checked by the resume comparison
+            else:
+                want = fair_cast(source.contiguous(), key=derive_key(SEED, version, key.name), mode=fc.caster.mode)
+        else:
+            want = rtn
+        count += 1
+        if want is not None and not torch.equal(want.view(torch.int16), full_served.view(torch.int16)):
+            mismatches.append(name)
+        differs_from_rtn += int(not torch.equal(rtn.view(torch.int16), full_served.view(torch.int16)))
+    return {"params": count, "mismatches": mismatches, "differs_from_rtn": differs_from_rtn, "names": names}
+
+
+def coords():
+    return {"pp": ps.get_pipeline_model_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_rank()}
+
+
+def served_bits(model):
+    return {n: p.detach().clone() for n, p in model.module.named_parameters() if p.dtype == torch.bfloat16}
+
+
+def verl_engine(config, model, optimizer):
+    """verl 0.9.1's MegatronEngine with Fair Cast activated as its worker does, stepped by verl's own
+    ``optimizer_step``; its checkpoint methods run with a stand-in checkpoint manager (verl's needs megatron-bridge)."""
+    import types
+
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from faircast_plugins.verl import megatron as verl_megatron
+
+    engine = MegatronEngine.__new__(MegatronEngine)  # initialize() needs megatron-bridge: give it what it builds
+    saved = []
+    engine.module, engine.optimizer, engine._qat_enabled, engine._is_offload_param = [model], optimizer, False, False
+    engine._is_offload_optimizer, engine.lr_scheduler = False, None
+    engine.checkpoint_mananager = types.SimpleNamespace(save_checkpoint=lambda **kw: saved.append(kw),
+                                                       load_checkpoint=lambda **kw: saved.append(kw))
+    fc = verl_megatron.activate(engine, FairCastConfig(enabled=True, seed=SEED))
+    for s in range(2):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        batch_step(model, s)
+        engine.optimizer_step()
+    out = {"version": fc.caster.version, "check": check(model, optimizer, fc, 2, True)}
+    tmp = tempfile.mkdtemp(prefix="faircast_verl_megatron_")
+    engine.save_checkpoint(tmp)
+    engine.load_checkpoint(tmp)
+    out["state_files"] = sorted(f for f in os.listdir(tmp) if f.startswith("faircast_state_rank"))
+    out["verl_checkpoint_calls"] = len(saved)
+    out["version_after_load"] = fc.caster.version
+    verl_megatron.PATCHES.remove()
+    remove_megatron_patch(optimizer)
+    return out
+
+
+def special(name):
+    """Refusals, a skipped step, a copy that bypasses Fair Cast (the collective check's negative control), verl."""
+    config, model, optimizer = build({})
+    if name == "verl":
+        return verl_engine(config, model, optimizer)
+    cfg = FairCastConfig(enabled=True, seed=SEED)
+    sub = optimizer.chained_optimizers[0]
+    out = {}
+    if name == "refusals":
+        for path, value, words in REFUSALS:
+            owner_name, attr = path.split(".")
+            owner = getattr(sub, owner_name)
+            before = getattr(owner, attr, None)  # fp4_param_gather is newer than 0.16.1
+            setattr(owner, attr, value)
+            try:
+                apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+                out[path] = "accepted"
+            except FairCastPatchError as exc:
+                out[path] = "refused" if words.lower() in str(exc).lower() else f"wrong message: {exc}"
+            finally:
+                setattr(owner, attr, before)
+                remove_megatron_patch(optimizer)
+        model.module.config.layernorm_zero_centered_gamma = True
+        try:
+            apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+            out["zero_centered_gamma"] = "accepted"
+        except FairCastPatchError as exc:
+            out["zero_centered_gamma"] = "refused" if "zero-centred" in str(exc) else f"wrong message: {exc}"
+        model.module.config.layernorm_zero_centered_gamma = False
+        remove_megatron_patch(optimizer)
+        fake = type("LayerWiseDistributedOptimizer", (), {})()
+        try:
+            apply_megatron_patch(fake, FairCaster(cfg), model_chunks=[model])
+            out["layer_wise"] = "accepted"
+        except FairCastPatchError as exc:
+            out["layer_wise"] = "refused" if "LayerWiseDistributedOptimizer" in str(exc) else f"wrong message: {exc}"
+        off = apply_megatron_patch(optimizer, FairCaster(FairCastConfig(enabled=False)), model_chunks=[model])
+        out["disabled_attaches_nothing"] = off is None and "_faircast" not in sub.__dict__
+        return out
+    fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+    train_step(config, model, optimizer, 0)
+    before = served_bits(model)
+    if name == "skip":  # found_inf: Megatron returns before the copy; the version must not move
+        optimizer.prepare_grads = lambda: True
+        result = train_step(config, model, optimizer, 1)
+        after = served_bits(model)
+        out.update(success=result[0], version=fc.caster.version,
+                   unchanged=all(torch.equal(before[n], after[n]) for n in before))
+    else:  # a sub-optimizer whose copy goes around Fair Cast: every rank must raise
+        sub._copy_main_params_to_model_params = lambda: stock_copy(sub)
+        try:
+            train_step(config, model, optimizer, 1)
+            out["raised"] = None
+        except FairCastPatchError as exc:
+            out["raised"] = str(exc)
+        out["version"] = fc.caster.version
+        del sub._copy_main_params_to_model_params
+    remove_megatron_patch(optimizer)
+    return out
+
+
+def stock_copy(opt):
+    """Megatron's own (round-to-nearest) distributed-optimizer copy, as it was before Fair Cast wrapped it."""
+    from faircast_plugins.megatron.patch import PATCHES
+
+    for applied in PATCHES._applied:
+        if applied.attr == "_copy_main_params_to_model_params" and applied.owner is type(opt):
+            return applied.previous(opt)
+    raise AssertionError("no original copy recorded")
+
+
+def run(name):
+    opts = SCENARIOS[name]
+    if opts.get("special"):
+        return special(name)
+    faircast = opts.get("faircast", True)
+    config, model, optimizer = build(opts)
+    fc = None
+    cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0),
+                         audit=opts.get("audit", False))
+    if faircast:
+        fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+    ema = opts.get("ema")
+    history = [{n: m for n, (_, m, _) in full_params(model, optimizer).items()}] if ema else []
+    results = []
+    for s in range(2):
+        results.append(train_step(config, model, optimizer, s))
+        if ema:
+            history.append({n: m for n, (_, m, _) in full_params(model, optimizer).items()})
+    sync_params(model, optimizer)
+    sources = ema_of(history, ema) if ema else None
+    out = {"steps_ok": all(r[0] for r in results), "version": fc.caster.version if fc else None,
+           "check": check(model, optimizer, fc, 2, faircast, sources), "coords": coords()}
+    if opts.get("resume"):
+        out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc)
+    if fc is not None:
+        out["elements_cast"] = fc.last_step_elements
+        out["metrics"] = fc.metrics()
+        remove_megatron_patch(optimizer)
+    return out
+
+
+def _mains(opt):
+    """The fp32 main params (or DP shards of them) of one Megatron optimizer, in a fixed order."""
+    groups = opt.shard_fp32_from_float16_groups if hasattr(opt, "shard_fp32_from_float16_groups") else opt.fp32_from_float16_groups
+    return [m for group in groups for m in group]
+
+
+def resume_check(opts, cfg, config, model, optimizer, fc):
+    """Save after 2 steps, take a 3rd; rebuild, load, take the 3rd again: the served bits must be equal."""
+    tmp = os.path.join(tempfile.gettempdir(), f"faircast_megatron_{os.environ.get('MASTER_PORT', '0')}")
+    model_state = {k: v.clone() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    opt_state = [(copy.deepcopy(o.optimizer.state_dict()), [m.detach().clone() for m in _mains(o)])
+                 for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    if dist.get_rank() == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    fc.save(tmp)
+    dist.barrier()
+    train_step(config, model, optimizer, 2)
+    sync_params(model, optimizer)
+    want = served_bits(model)
+    remove_megatron_patch(optimizer)
+    # a fresh run: same layout, the checkpoint's model and optimizer state, then Fair Cast's state
+    config2, model2, optimizer2 = build(opts)
+    model2.module.load_state_dict(model_state, strict=False)
+    for o, (inner, mains) in zip(getattr(optimizer2, "chained_optimizers", [optimizer2]), opt_state):
+        o.optimizer.load_state_dict(copy.deepcopy(inner))
+        for dst, src in zip(_mains(o), mains):
+            dst.data.copy_(src)
+    fc2 = apply_megatron_patch(optimizer2, FairCaster(cfg), model_chunks=[model2])
+    refused = None
+    if fc2.caster.keeps_state:  # residuals / EMA cannot be recomputed: a checkpoint without them is refused
+        try:
+            fc2.load(tempfile.mkdtemp(prefix="faircast_empty_"), step=2)
+        except FairCastPatchError as exc:
+            refused = str(exc)
+    fc2.load(tmp)
+    train_step(config2, model2, optimizer2, 2)
+    sync_params(model2, optimizer2)
+    got = served_bits(model2)
+    remove_megatron_patch(optimizer2)
+    diff = [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))]
+    return {"version": fc2.caster.version, "mismatches": diff, "params": len(want), "refused_without_state": refused}
+
+
+def main():
+    out_path, names = sys.argv[1], sys.argv[2:]
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if CUDA else "gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("FAIRCAST_TEST_TIMEOUT", "120"))))
+    results = {}
+    for name in names:
+        try:
+            res = run(name)
+        except Exception:  # noqa: BLE001 - reported to the test
+            res = {"error": traceback.format_exc()}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, res)
+        results[name] = gathered
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

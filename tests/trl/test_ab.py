@@ -113,15 +113,16 @@ def test_smollm2_smoke_preset_runs_the_real_model_on_word_problems(tmp_path):
                           str(out)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
-    assert res["failed_runs"] == [] and sorted(r["arm"] for r in res["runs"]) == ["faircast", "standard"]
-    assert res["family"]["declared"] and res["protocol"]["task"] == "word2"
+    # one arm keeps CI's cost down (~2.5 min here): the toy smoke preset checks the paired structure
+    assert res["failed_runs"] == [] and [r["arm"] for r in res["runs"]] == ["faircast"]
+    assert res["protocol"]["task"] == "word2"
     for r in res["runs"]:
         for m in ("served_expected", "master_expected", "rtn_expected", "sr_expected", "sticky_expected"):
             assert 0.0 <= r[m] <= 1.0, m
         # each arm's own export is its readout bit for bit (the other readouts may coincide: a step whose groups
         # all got the same reward leaves the masters on the bf16 grid, where every export is the same)
         assert r["rtn_is_served"] if r["arm"] == "standard" else r["sr_is_served"]
-    run0 = json.loads((out / "runs" / "standard" / "seed0.json").read_text())
+    run0 = json.loads((out / "runs" / "faircast" / "seed0.json").read_text())
     assert "faircast/served_changed_frac" in run0["steps"][-1] and os.path.isdir(run0["spec"]["model"])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -110,8 +111,9 @@ def make_config_class(base: type) -> type:
     if getattr(base, "__faircast_config__", False):
         return base
     namespace: dict[str, Any] = {"__annotations__": {}, "__module__": base.__module__, "__doc__": base.__doc__}
-    for f in dataclasses.fields(FairCastArguments):
-        namespace["__annotations__"][f.name] = f.type
+    hints = typing.get_type_hints(FairCastArguments)  # types, not strings: the subclass lives in base's module,
+    for f in dataclasses.fields(FairCastArguments):      # where a string like "Optional[int]" would not resolve
+        namespace["__annotations__"][f.name] = hints[f.name]
         namespace[f.name] = field(default=f.default, metadata=dict(f.metadata))
 
     def __post_init__(self) -> None:

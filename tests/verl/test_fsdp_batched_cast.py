@@ -221,7 +221,15 @@ def _assemble_by_max_all_reduce(caster, name, shard, shape, device):
     return torch.where(b >= 32768, b - 65536, b).to(torch.int16).view(torch.bfloat16).view(shape)
 
 
-def _export_rank(rank, store, results):
+def _spawn_and_collect(fn, nprocs: int) -> dict:
+    """Run ``fn(rank, store, outdir)`` on ``nprocs`` spawned ranks; ``{rank: what it saved}``. Through files, not a
+    multiprocessing Manager: its server is forked from this (threaded) pytest process and once hung a CI run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(fn, args=(os.path.join(tmp, "store"), tmp), nprocs=nprocs)
+        return {r: torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)}
+
+
+def _export_rank(rank, store, outdir):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
     fulls = {name: torch.randn(n) * 1e-2 for name, n, _ in LAYOUTS}
@@ -259,16 +267,13 @@ def _export_rank(rank, store, results):
             for name in fulls:
                 fulls[name] = fulls[name] + 3e-4  # the optimizer step
         out[(mode, "calls")] = per_export
-    results[rank] = out
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_rank_exports():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
-        mp.spawn(_export_rank, args=(os.path.join(tmp, "store"), results), nprocs=2)
-        return dict(results)
+    return _spawn_and_collect(_export_rank, 2)
 
 
 def test_export_bits_equal_the_max_all_reduce_and_the_full_cast(two_rank_exports):
@@ -300,7 +305,7 @@ def test_export_moves_bf16_once_per_parameter_after_the_first(two_rank_exports):
 HSDP_LAYOUTS = [("chunks", 10, {0: (0, 5), 1: (5, 5)}), ("uneven", 10, {0: (0, 7), 1: (7, 3)})]
 
 
-def _hsdp_rank(rank, store, results):
+def _hsdp_rank(rank, store, outdir):
     """A 2x2 mesh: replicas {0, 1} and {2, 3}, each sharding every parameter over its two ranks."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -330,16 +335,13 @@ def _hsdp_rank(rank, store, results):
                 out[(mode, version, name)] = (bits(q).tolist(), None if full is None else bits(full).tolist())
             caster.advance()
     out["gathers"] = gathers
-    results[rank] = out
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def hsdp_exports():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
-        mp.spawn(_hsdp_rank, args=(os.path.join(tmp, "store"), results), nprocs=4)
-        return dict(results)
+    return _spawn_and_collect(_hsdp_rank, 4)
 
 
 def test_hsdp_export_gathers_over_the_shard_group_only(hsdp_exports):

@@ -35,7 +35,7 @@ CACHE_ENV = "FAIRCAST_MODEL_CACHE"
 #: written last into a finished checkpoint: where it came from and how it was built
 PROVENANCE = "faircast_real_model.json"
 #: bumped when the conversion changes, so that a stale cache is never reused
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2  # 2: the pad token set whatever the transformers release (5.17 read none from the GGUF)
 NAME = f"smollm2-135m-instruct-bf16-{PACKAGE_VERSION}-v{BUILD_FORMAT}"
 
 
@@ -128,6 +128,8 @@ def _convert(gguf: Path, out: Path) -> None:
 
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if tokenizer.pad_token is None:  # transformers 5.24 reads <|im_end|> (= eos) from the GGUF, 5.17 reads none
+        tokenizer.pad_token = tokenizer.eos_token
     # A GGUF-loaded model refuses save_pretrained (its config carries a GGUF quantization_config): build the same
     # architecture without it and move the dequantized weights in.
     config = loaded.config

@@ -383,28 +383,37 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     return registered
 
 
-def _registered(root: nn.Module):
-    """``(canonical name, global offset, flat fp32 shard, full shape)`` of each registered parameter with elements on
-    this rank, as FSDP's cast reads them."""
+def _specs(root: nn.Module):
+    """Every Fair Cast registration under ``root``: ``(FSDP1 flat handle, its spec)`` and ``(FSDP2 param, its spec)``."""
     for module in root.modules():
         handle = getattr(module, "_handle", None)
         spec = getattr(handle, _ATTR, None) if handle is not None else None
         if spec is not None:
-            flat = handle.flat_param
-            local = flat._local_shard
-            for name, info, shape in zip(spec.names, flat._shard_param_infos, flat._shapes):
-                if name is not None and info.in_shard and info.numel_in_shard:
-                    start = info.offset_in_shard
-                    yield name, info.intra_param_start_idx, local[start: start + info.numel_in_shard], tuple(shape)
+            yield handle, spec
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
             continue
         for group in _param_groups(get_state()):
             for fsdp_param in group.fsdp_params:
                 pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
-                if pspec is not None and pspec.numel:
-                    yield (pspec.name, pspec.offset, fsdp_param._sharded_param_data[: pspec.numel],
-                           tuple(fsdp_param.sharded_param.shape))
+                if pspec is not None:
+                    yield fsdp_param, pspec
+
+
+def _registered(root: nn.Module):
+    """``(canonical name, global offset, flat fp32 shard, full shape)`` of each registered parameter with elements on
+    this rank, as FSDP's cast reads them."""
+    for owner, spec in _specs(root):
+        if isinstance(spec, _ParamCast):  # FSDP2: one parameter
+            if spec.numel:
+                yield spec.name, spec.offset, owner._sharded_param_data[: spec.numel], tuple(owner.sharded_param.shape)
+            continue
+        flat = owner.flat_param  # FSDP1: the parameters of one flat shard
+        local = flat._local_shard
+        for name, info, shape in zip(spec.names, flat._shard_param_infos, flat._shapes):
+            if name is not None and info.in_shard and info.numel_in_shard:
+                start = info.offset_in_shard
+                yield name, info.intra_param_start_idx, local[start: start + info.numel_in_shard], tuple(shape)
 
 
 def registered_shards(root: nn.Module) -> Dict[str, Tuple[int, torch.Tensor]]:
@@ -422,19 +431,9 @@ def shard_groups(root: nn.Module) -> Dict[str, object]:
     for the default group), including parameters with no elements on this rank: the group
     :func:`assemble_served` gathers over (under HSDP one replica's shard group, not every rank)."""
     groups: Dict[str, object] = {}
-    for module in root.modules():
-        handle = getattr(module, "_handle", None)
-        spec = getattr(handle, _ATTR, None) if handle is not None else None
-        if spec is not None:
-            groups.update({name: spec.group for name in spec.names if name is not None})
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        for group in _param_groups(get_state()):
-            for fsdp_param in group.fsdp_params:
-                pspec: Optional[_ParamCast] = getattr(fsdp_param, _ATTR, None)
-                if pspec is not None:
-                    groups[pspec.name] = pspec.group
+    for _, spec in _specs(root):
+        names = [spec.name] if isinstance(spec, _ParamCast) else [n for n in spec.names if n is not None]
+        groups.update(dict.fromkeys(names, spec.group))
     return groups
 
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from .arms import parse_arm
 from .task import TASKS
-from .warmstart import WarmStartSpec
+from .warmstart import FinetuneSpec, WarmStartSpec
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 #: Readouts of the fp32 master, scored through the engine at every eval point beside the served copy: what the
@@ -45,6 +45,7 @@ class Protocol:
     heldout: int = 1000
     warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)
     model: Optional[str] = None       # a user's model directory (replaces the built-in warm start)
+    sft: Optional[FinetuneSpec] = None  # a short SFT of ``model`` on the task's format first (cached), or none
     dataset: Optional[str] = None     # a user's jsonl (replaces the built-in task)
     compute: Optional[str] = None     # one of COMPUTE; required
     lr: float = 1e-6
@@ -79,6 +80,13 @@ class Protocol:
     def __post_init__(self):
         if isinstance(self.warmstart, dict):
             self.warmstart = WarmStartSpec(**self.warmstart)
+        if isinstance(self.sft, dict):
+            unknown = sorted(set(self.sft) - {f.name for f in dataclasses.fields(FinetuneSpec)})
+            if unknown:
+                raise ValueError(f"unknown protocol sft field(s) {unknown}; fields: steps, batch, lr, seed")
+            self.sft = FinetuneSpec(**self.sft)
+        if self.sft is not None and not self.model:
+            raise ValueError("protocol sft fine-tunes a pretrained model: it needs model (e.g. \"smollm2\")")
         for arm in self.arms:
             parse_arm(arm)
         if len(set(self.arms)) != len(self.arms):

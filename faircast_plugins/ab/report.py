@@ -267,7 +267,13 @@ def markdown(results: dict, proto) -> str:
                   + "; ".join(f"`{c.get('commit')}` dirty={c.get('dirty')}" for c in results["run_code"]), ""]
     if proto.description:
         lines += [proto.description, ""]
-    if ws:
+    if ws and "base" in ws:  # a pretrained model fine-tuned on the task's format (the protocol's sft)
+        lines += [f"Warm start: {ws['base']} ({ws['parameters'] / 1e6:.1f}M parameters), SFT {ws['spec']['steps']} "
+                  f"steps of {ws['spec']['batch']} at lr {ws['spec']['lr']:g} on {ws['task']}, saved in bf16; held-out "
+                  f"expected success {100 * ws['heldout_base']['expected']:.2f}% before, "
+                  f"{100 * ws['heldout_bf16']['expected']:.1f}% after (greedy {100 * ws['heldout_bf16']['greedy']:.1f}%).",
+                  ""]
+    elif ws:
         lines += [f"Warm start: {ws['parameters'] / 1e6:.1f}M-parameter Qwen3 (d={ws['spec']['hidden_size']}, "
                   f"{ws['spec']['layers']} layers), SFT {ws['spec']['sft_steps']} steps, saved in bf16; held-out "
                   f"expected success {100 * ws['heldout_bf16']['expected']:.1f}%, greedy "

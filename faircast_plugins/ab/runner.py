@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .protocol import Protocol
 from .task import load_jsonl, task_problems
-from .warmstart import warm_start
+from .warmstart import finetune_warm_start, warm_start
 
 
 def check_causal_lm(path: str) -> None:
@@ -74,9 +74,13 @@ def prepare(proto: Protocol, out: str, log: Callable[[str], None]) -> Tuple[str,
         train, heldout = load_jsonl(proto.dataset, proto.heldout, seed=0)
     else:
         train, heldout = task_problems(proto.task, proto.warmstart.seed, proto.heldout)
-    if proto.model:
+    if proto.model and proto.sft:
+        path = finetune_warm_start(os.path.join(out, "cache"), resolve_model(proto.model), proto.task, train, heldout,
+                                   proto.sft, log)
+    elif proto.model:
         return resolve_model(proto.model), train, heldout, None
-    path = warm_start(os.path.join(out, "cache"), proto.warmstart, log)
+    else:
+        path = warm_start(os.path.join(out, "cache"), proto.warmstart, log)
     with open(os.path.join(path, "warmstart.json")) as f:
         return path, train, heldout, json.load(f)
 

@@ -14,6 +14,9 @@ one fixed format, ``6 * 8 = 48. 47 + 48 = 95. Answer: 95`` and a line break: abo
 number. Success means the completion starts with that whole solution, so the expected success stays exact (the
 teacher-forced probability of every reasoning and answer token) and a per-token mismatch between the served and
 master policies compounds over the chain. The prompt shows the format by three fixed worked examples.
+``word2z``: the same problems (the same draws for a seed) with no worked examples in the prompt
+(``Problem: ...\nSolution:``, ~35 tokens instead of ~214): the format is learnt by a short SFT warm start of the
+pretrained model (the protocol's ``sft``), which keeps an RL step affordable on a CPU.
 
 A user's own task: a jsonl file with ``prompt`` and ``answer`` fields (see :func:`load_jsonl`).
 """
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 EOS = "<|endoftext|>"
-TASKS = ("add2", "add3", "add4", "word2")
+TASKS = ("add2", "add3", "add4", "word2", "word2z")
 #: Problems drawn for the tasks with too many to list (add3: 10**6, add4: 10**8).
 SAMPLED_PROBLEMS = 20_000
 
@@ -72,8 +75,8 @@ WORD2_FACTORS = (2, 5)
 WORD2_START = (10, 50)
 
 
-def word2_problem(rng: random.Random) -> Problem:
-    """One two-step word problem and its worked solution in the fixed format."""
+def word2_problem(rng: random.Random, shots: str = WORD2_EXAMPLES) -> Problem:
+    """One two-step word problem and its worked solution in the fixed format, after the worked examples ``shots``."""
     (name, he, he_lower), (item, unit) = rng.choice(NAMES), rng.choice(ITEMS)
     b, c = rng.randint(*WORD2_FACTORS), rng.randint(*WORD2_FACTORS)
     if rng.random() < 0.5:
@@ -87,15 +90,16 @@ def word2_problem(rng: random.Random) -> Problem:
                 f"How many {item} does {he_lower} have left?")
         steps, total = f"{b} * {c} = {b * c}. {a} - {b * c} = {a - b * c}.", a - b * c
     # the answer ends with the line break, so a longer number ("Answer: 634" for 63) is not a success
-    return Problem(f"{WORD2_EXAMPLES}Problem: {text}\nSolution:", f" {steps} Answer: {total}\n")
+    return Problem(f"{shots}Problem: {text}\nSolution:", f" {steps} Answer: {total}\n")
 
 
-def word2_problems(seed: int = 0, heldout: int = 1000, count: int = 10_000) -> Tuple[List[Problem], List[Problem]]:
+def word2_problems(seed: int = 0, heldout: int = 1000, count: int = 10_000,
+                   shots: str = WORD2_EXAMPLES) -> Tuple[List[Problem], List[Problem]]:
     """``count`` distinct word problems drawn with ``seed`` (of ~84,000 possible); the first ``heldout`` held out,
-    the rest for training."""
+    the rest for training. ``shots=""``: word2z (the same problems, no worked examples)."""
     rng, seen, problems = random.Random(seed), set(), []
     while len(problems) < count:
-        p = word2_problem(rng)
+        p = word2_problem(rng, shots)
         if p.prompt not in seen:
             seen.add(p.prompt)
             problems.append(p)
@@ -111,6 +115,8 @@ def word2_answer(text: str) -> Optional[int]:
 def task_problems(task: str, seed: int = 0, heldout: int = 1000) -> Tuple[List[Problem], List[Problem]]:
     if task == "word2":
         return word2_problems(seed, heldout)
+    if task == "word2z":
+        return word2_problems(seed, heldout, shots="")
     if task == "add2":
         return add2_problems(seed, heldout)
     if task in ("add3", "add4"):

@@ -1,4 +1,8 @@
-"""The A/B's warm start: a small Qwen3 trained here by SFT from a fixed seed, saved in bf16 like real checkpoints.
+"""The A/B's warm starts, saved in bf16 like real checkpoints.
+
+* :func:`warm_start`: a small Qwen3 trained here from scratch by SFT from a fixed seed (the toy testbed);
+* :func:`finetune_warm_start`: a pretrained model (``--model smollm2``) fine-tuned briefly on the task's answer
+  format (the protocol's ``sft``), so that GRPO starts where some groups have a success to learn from.
 
 Saved in bf16, so the fp32 masters of every arm start on the bf16 grid (as when a run loads a released model).
 The result is cached under ``out/`` by the spec's hash: every arm and seed of an A/B starts from the same file.
@@ -108,6 +112,106 @@ def warm_start(root: str, spec: WarmStartSpec, log: Callable[[str], None] = prin
     os.replace(tmp, path)
     log(f"warm start: {info['parameters'] / 1e6:.1f}M parameters, held-out expected success "
         f"{bf16_scores['expected']:.3f}, greedy {bf16_scores['greedy']:.3f} (bf16)")
+    return path
+
+
+@dataclass(frozen=True)
+class FinetuneSpec:
+    """A short fp32 SFT of a pretrained model on the training problems' answers (the protocol's ``sft``).
+
+    Full-parameter AdamW, loss on the answer tokens only, ``batch`` problems drawn with ``seed`` per step; the
+    result is rounded to bf16 (round to nearest, as a released checkpoint) and scored on the held-out problems.
+    """
+    steps: int = 40
+    batch: int = 16
+    lr: float = 1e-5
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"protocol sft.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"protocol sft.lr must be > 0, got {self.lr!r}")
+
+
+def answer_batch(tokenizer, problems):
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside the answer tokens)."""
+    enc = encode(tokenizer, problems)
+    rows = [p + a for p, a in zip(enc.prompt_ids, enc.answer_ids)]
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (r, a) in enumerate(zip(rows, enc.answer_ids)):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+        labels[i, len(r) - len(a):len(r)] = torch.tensor(a)
+    return ids, mask, labels
+
+
+def finetune(model, tokenizer, train, spec: FinetuneSpec, log: Callable[[str], None] = print) -> list:
+    """:class:`FinetuneSpec`'s SFT of ``model`` (fp32) on ``train``; returns the loss of every step."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    model.train()
+    start, losses = time.time(), []
+    for step in range(1, spec.steps + 1):
+        picks = torch.randint(len(train), (spec.batch,), generator=gen).tolist()
+        ids, mask, labels = answer_batch(tokenizer, [train[i] for i in picks])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 5 == 0 or step == spec.steps:
+            log(f"  SFT warm start step {step}/{spec.steps}  loss {losses[-1]:.3f}  ({time.time() - start:.0f} s)")
+    model.eval()
+    return losses
+
+
+def finetune_warm_start(root: str, base: str, task: str, train, heldout, spec: FinetuneSpec,
+                        log: Callable[[str], None] = print) -> str:
+    """The fine-tuned model directory for (``base``, ``task``, ``spec``) under ``root`` (built once, then reused).
+
+    The cache key holds the base model's directory name (the real-model builder names its version there), the task,
+    the held-out size and the spec. Runs with ``SFT_THREADS`` torch threads, like :func:`warm_start`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ident = {"base": os.path.basename(os.path.normpath(base)), "task": task, "heldout": len(heldout),
+             "spec": asdict(spec)}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(root, f"sft-{ident['base']}-{task}-{digest}")
+    if os.path.isfile(os.path.join(path, "warmstart.json")):
+        return path
+    log(f"building the SFT warm start of {ident['base']} on {task} ({spec.steps} steps of {spec.batch}, lr {spec.lr})")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    held = encode(tokenizer, heldout)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SFT_THREADS)
+    try:
+        before = score_model(model, held, batch_size=50)
+        losses = finetune(model, tokenizer, train, spec, log)
+        fp32_scores = score_model(model, held, batch_size=50)
+        model = model.to(torch.bfloat16)
+        bf16_scores = score_model(model.float(), held, batch_size=50)
+        model = model.to(torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    tmp = path + f".tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    info = {"base": ident["base"], "task": task, "spec": asdict(spec), "losses": losses, "heldout_base": before,
+            "heldout_fp32": fp32_scores, "heldout_bf16": bf16_scores, "sft_threads": SFT_THREADS,
+            "parameters": sum(p.numel() for p in model.parameters()), "machine": machine()}
+    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, path)
+    log(f"SFT warm start: held-out expected success {before['expected']:.4f} -> {bf16_scores['expected']:.4f} "
+        f"(bf16), greedy {before['greedy']:.3f} -> {bf16_scores['greedy']:.3f}")
     return path
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -340,6 +341,59 @@ def test_word2_task_has_a_fixed_answer_format_and_a_disjoint_heldout_set():
     assert success(ans + "Problem: ...", ans) and success("  " + ans, ans)
     assert not success(ans.rstrip("\n") + "7\n", ans)  # "Answer: 634" is not "Answer: 63"
     assert task_problems("word2", seed=0, heldout=100)[1][0].prompt == word2_problems(0, 100)[1][0].prompt
+
+
+def test_word2z_is_word2_without_the_worked_examples():
+    from faircast_plugins.ab.task import WORD2_EXAMPLES
+
+    w2, w2z = task_problems("word2", seed=0, heldout=50), task_problems("word2z", seed=0, heldout=50)
+    for few, zero in zip(w2[1] + w2[0][:50], w2z[1] + w2z[0][:50]):
+        assert few.prompt == WORD2_EXAMPLES + zero.prompt and few.answer == zero.answer
+        assert zero.prompt.startswith("Problem: ") and zero.prompt.count("Problem: ") == 1
+
+
+def test_protocol_sft_needs_a_model_and_checks_its_fields(tmp_path):
+    base = {"name": "x", "compute": "fp32", "task": "word2z", "model": "smollm2",
+            "sft": {"steps": 3, "batch": 2, "lr": 1e-5, "seed": 1}}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(base))
+    proto = load(path=str(f))
+    assert proto.sft.steps == 3 and proto.as_dict()["sft"] == base["sft"]
+    for bad, match in (({"model": None}, "needs model"), ({"sft": {"steps": 0}}, "sft.steps"),
+                       ({"sft": {"lr": -1}}, "sft.lr"), ({"sft": {"epochs": 2}}, "unknown protocol sft field")):
+        f.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ValueError, match=match):
+            load(path=str(f))
+
+
+def test_finetune_warm_start_trains_saves_bf16_and_is_cached(tmp_path):
+    """The SFT warm start of a pretrained model, on a tiny saved Qwen3 standing in for it: trained on the training
+    problems only, saved in bf16 with its tokenizer and scores, then reused from the cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from faircast_plugins.ab.task import build_char_tokenizer
+    from faircast_plugins.ab.warmstart import FinetuneSpec, WarmStartSpec, build_model, finetune_warm_start
+
+    base = tmp_path / "tiny-base"
+    tok = build_char_tokenizer(str(base))
+    build_model(WarmStartSpec(hidden_size=32, layers=1, heads=2), len(tok)).to(torch.bfloat16).save_pretrained(base)
+    train, held = task_problems("add2", seed=0, heldout=20)
+    spec = FinetuneSpec(steps=6, batch=8, lr=1e-3, seed=0)
+    logs = []
+    path = finetune_warm_start(str(tmp_path / "cache"), str(base), "add2", train, held, spec, logs.append)
+    info = json.load(open(os.path.join(path, "warmstart.json")))
+    assert info["base"] == "tiny-base" and len(info["losses"]) == 6 and info["losses"][-1] < info["losses"][0]
+    assert 0 <= info["heldout_base"]["expected"] <= 1 and 0 <= info["heldout_bf16"]["expected"] <= 1
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert os.path.isfile(os.path.join(path, "tokenizer.json"))
+    logs.clear()
+    assert finetune_warm_start(str(tmp_path / "cache"), str(base), "add2", train, held, spec, logs.append) == path
+    assert logs == []  # cached: not built again
+    other = finetune_warm_start(str(tmp_path / "cache"), str(base), "add2", train, held,
+                                FinetuneSpec(steps=1, batch=8, lr=1e-3, seed=0), logs.append)
+    assert other != path
 
 
 def test_grid_records_retries_and_resumes(tmp_path):

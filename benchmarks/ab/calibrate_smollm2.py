@@ -36,6 +36,7 @@ import torch
 from faircast_plugins.ab.provenance import code_provenance, machine, versions
 from faircast_plugins.ab.scoring import encode, score_model
 from faircast_plugins.ab.task import word2_problems
+from faircast_plugins.ab.warmstart import answer_batch as batch  # right-padded ids, mask, labels (answer only)
 from faircast_plugins.audit import Audit
 from faircast_plugins.cast import fair_cast
 from faircast_plugins.key import derive_key, sticky_key
@@ -49,21 +50,6 @@ def load_model(path: str):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 masters on the bf16 grid
     tok = AutoTokenizer.from_pretrained(path)
     return model, tok
-
-
-def batch(tok, problems):
-    """Right-padded ids, attention mask and labels (-100 outside the answer tokens)."""
-    enc = encode(tok, problems)
-    rows = [p + a for p, a in zip(enc.prompt_ids, enc.answer_ids)]
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tok.pad_token_id or 0, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, (r, a) in enumerate(zip(rows, enc.answer_ids)):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
-        labels[i, len(r) - len(a):len(r)] = torch.tensor(a)
-    return ids, mask, labels
 
 
 class ServedSwap:

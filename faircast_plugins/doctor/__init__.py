@@ -1,4 +1,5 @@
-"""``faircast doctor``: prove, on the installed stack, on CPU, in seconds, that Fair Cast's patched path works.
+"""``faircast doctor``: prove, on the installed stack, in seconds, that Fair Cast's patched path works (on the CPU;
+Megatron-core's on the GPU it trains on).
 
 Each check runs the real patched code on a tiny model built in-process (no downloads) and compares what the
 engine would be sent, and what the forward computes with, to ``fair_cast(master)`` keyed independently

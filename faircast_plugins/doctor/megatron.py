@@ -191,7 +191,11 @@ def _optimizer_run(device, distributed: bool) -> str:
 def check(device: Optional[str] = None) -> List[str]:
     """Run the check on ``device`` (default: the current CUDA device; ``"cpu"`` only with megatron-core's CUDA-only
     calls replaced by the caller). Returns evidence lines; raises :class:`DoctorFailure` or :class:`DoctorCannotRun`."""
+    import torch
+
     dev = _device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # NCCL's world of one and Megatron's buffers on the same device
     from megatron.core import parallel_state as ps
 
     from ..megatron import install_megatron_patch

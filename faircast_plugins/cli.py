@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "bench": ("faircast_plugins.bench", "throughput of fair_cast against .to(torch.bfloat16), side by side"),
     "export": ("faircast_plugins.export", "write the served bf16 copy of an fp32 checkpoint at a weight version"),
     "verify": ("faircast_plugins.export", "re-derive a served-copy export and compare it bit for bit"),
-    "doctor": ("faircast_plugins.doctor", "prove on this stack (CPU, seconds) that Fair Cast's patches still work"),
+    "doctor": ("faircast_plugins.doctor", "prove on this stack (seconds) that Fair Cast's patches still work"),
     "audit": ("faircast_plugins.audit_cli", "bias of one optimizer step from bf16 weights: nearest vs stochastic"),
     "ab": ("faircast_plugins.ab.cli", "paired A/B runs of GRPO (TRL + vLLM) that differ only in the export"),
     "ab-stats": ("faircast_plugins.ab.cli", "the A/B's paired report from per-step metrics of runs you already made"),

@@ -42,7 +42,7 @@ def installed_version(distribution: str) -> str | None:
 
 
 #: The one opt-in for framework releases newer than the verified range: a comma-separated list of distributions
-#: (``trl``, ``verl``, ``openrlhf``, ``deepspeed``, ``torch``) or ``all``. Fair Cast then still runs only when
+#: (``trl``, ``verl``, ``openrlhf``, ``deepspeed``, ``torch``, ``megatron-core``) or ``all``. Fair Cast then still runs only when
 #: every patch target resolves and the ``faircast doctor`` self-check passes on the installed stack.
 ALLOW_UNVERIFIED_ENV = "FAIRCAST_ALLOW_UNVERIFIED"
 #: Set by ``faircast doctor`` in its own process: the doctor is the self-check, so it patches unverified
@@ -64,6 +64,7 @@ FRAMEWORKS: dict[str, tuple[str, ...]] = {
     "openrlhf": ("deepspeed",),
     "deepspeed": ("deepspeed",),
     "torch": ("fsdp",),
+    "megatron-core": ("megatron",),
 }
 SELF_CHECK_TIMEOUT_S = 600
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",

@@ -1,4 +1,5 @@
-"""``faircast doctor``: prove, on the installed stack, on CPU, in seconds, that Fair Cast's patched path works.
+"""``faircast doctor``: prove, on the installed stack, in seconds, that Fair Cast's patched path works (on the CPU;
+Megatron-core's on the GPU it trains on).
 
 Each check runs the real patched code on a tiny model built in-process (no downloads) and compares what the
 engine would be sent, and what the forward computes with, to ``fair_cast(master)`` keyed independently
@@ -8,6 +9,8 @@ engine would be sent, and what the forward computes with, to ``fair_cast(master)
 * ``deepspeed``: DeepSpeed's patched fp32 -> bf16 copy-back, ZeRO-2 at world size 1 (OpenRLHF's path, TRL's);
 * ``trl``: a tiny GRPO run with the Fair Cast callback (every forward on the served copy) and TRL's vLLM export
   iterator (``VLLMGeneration._iter_named_params``) yielding the served bf16 bits.
+* ``megatron``: megatron-core's patched main->model param copy (distributed and Float16 optimizers), a tiny GPT at
+  world size 1 on the GPU (Megatron-core trains on CUDA; without one the check cannot run: :class:`DoctorCannotRun`).
 
 It is what a user runs on their cluster before a long run, and what :data:`~faircast_plugins.patching.
 ALLOW_UNVERIFIED_ENV` requires before Fair Cast runs on a framework release newer than the verified range
@@ -30,11 +33,17 @@ CHECKS: Dict[str, str] = {
     "fsdp": "faircast_plugins.doctor.fsdp",
     "deepspeed": "faircast_plugins.doctor.deepspeed",
     "trl": "faircast_plugins.doctor.trl",
+    "megatron": "faircast_plugins.doctor.megatron",
 }
 
 
 class DoctorFailure(AssertionError):
     """A doctor check ran and found Fair Cast's bits missing where they must be."""
+
+
+class DoctorCannotRun(RuntimeError):
+    """A doctor check cannot run on this machine (it says what it needs): not a pass, so a framework it gates stays
+    refused; ``faircast doctor`` reports it as SKIP when it was not named."""
 
 
 def expect(ok: bool, message: str) -> None:
@@ -46,8 +55,9 @@ SEED = 20240611  # any seed: the checks derive the expected bits from it indepen
 
 
 @contextlib.contextmanager
-def world_of_one():
-    """A gloo process group of one rank (file store in a temporary directory: no port), torn down afterwards."""
+def world_of_one(backend: str = "gloo"):
+    """A process group of one rank (``backend``: gloo, or nccl for a check on the GPU; file store in a temporary
+    directory: no port), torn down afterwards."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -56,7 +66,7 @@ def world_of_one():
     saved = {k: os.environ.get(k) for k in ranks}
     with tempfile.TemporaryDirectory(prefix="faircast-doctor-") as tmp:
         os.environ.update(ranks)
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             yield tmp
         finally:
@@ -96,24 +106,37 @@ def _installed_frameworks() -> List[str]:
     return [d for d in FRAMEWORKS if installed_version(d) is not None]
 
 
+def _checks_of(name: str) -> tuple:
+    """The checks a name on the command line runs: a framework's (:data:`FRAMEWORKS`), or the check of that name."""
+    return FRAMEWORKS.get(name) or ((name,) if name in CHECKS else ())
+
+
 def add_doctor_arguments(parser) -> None:
     parser.add_argument("frameworks", nargs="*", metavar="FRAMEWORK",
-                        help=f"which to check: {', '.join(FRAMEWORKS)} (default: every one installed)")
+                        help=f"which to check: {', '.join(FRAMEWORKS)}, or a check by name: {', '.join(CHECKS)} "
+                             f"(default: every framework installed)")
 
 
 def run_doctor(args) -> int:
     os.environ[DOCTOR_ENV] = "1"  # patch newer (unverified) releases here: this run is their self-check
+    named = bool(args.frameworks)
     frameworks = args.frameworks or _installed_frameworks()
-    unknown = sorted(set(frameworks) - set(FRAMEWORKS))
+    unknown = sorted(f for f in set(frameworks) if not _checks_of(f))
     if unknown:
-        print(f"faircast doctor: unknown framework(s) {unknown}; known: {', '.join(FRAMEWORKS)}")
+        print(f"faircast doctor: unknown framework(s) {unknown}; known: {', '.join(FRAMEWORKS)} "
+              f"(checks: {', '.join(CHECKS)})")
         return 2
-    checks = list(dict.fromkeys(c for f in frameworks for c in FRAMEWORKS[f]))
-    failed = 0
+    checks = list(dict.fromkeys(c for f in frameworks for c in _checks_of(f)))
+    failed = skipped = 0
     for name in checks:
         start = time.perf_counter()
         try:
             lines = run_check(name)
+        except DoctorCannotRun as exc:  # named (or run as a self-check): not a pass; otherwise reported and skipped
+            failed += named
+            skipped += not named
+            print(f"{'CANNOT RUN' if named else 'SKIP'} {name}: {exc}", flush=True)
+            continue
         except Exception as exc:  # noqa: BLE001 -- every failure is reported, with its type
             failed += 1
             print(f"FAIL {name} ({time.perf_counter() - start:.1f} s): {type(exc).__name__}: {exc}", flush=True)
@@ -121,8 +144,10 @@ def run_doctor(args) -> int:
         print(f"PASS {name} ({time.perf_counter() - start:.1f} s)", flush=True)
         for line in lines:
             print(f"     {line}", flush=True)
-    print(f"faircast doctor: {len(checks) - failed} of {len(checks)} check(s) passed ({', '.join(frameworks)})")
+    passed = len(checks) - failed - skipped
+    print(f"faircast doctor: {passed} of {len(checks)} check(s) passed" + (f", {skipped} skipped (cannot run here)"
+          if skipped else "") + f" ({', '.join(frameworks)})")
     return 1 if failed else 0
 
 
-__all__ = ["CHECKS", "FRAMEWORKS", "DoctorFailure", "check_served", "expect", "run_check", "self_check", "world_of_one"]
+__all__ = ["CHECKS", "FRAMEWORKS", "DoctorCannotRun", "DoctorFailure", "check_served", "expect", "run_check", "self_check", "world_of_one"]

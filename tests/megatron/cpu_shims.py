@@ -47,28 +47,53 @@ def _type(self, dtype=None, non_blocking=False, **kwargs):
 
 
 _mode = None
+_saved: list = []  # (owner, attr, value before install) for uninstall
+
+
+def _set(owner, attr, value) -> None:
+    _saved.append((owner, attr, getattr(owner, attr, _MISSING)))
+    setattr(owner, attr, value)
+
+
+_MISSING = object()
 
 
 def install() -> None:
     global _mode
-    torch.cuda.current_device = lambda: torch.device("cpu")  # param_and_grad_buffer.py allocates on it
-    torch.cuda.synchronize = lambda *a, **k: None  # p2p_communication.py (pipeline parallel)
-    torch.cuda.empty_cache = lambda *a, **k: None
-    torch.cuda.manual_seed = lambda *a, **k: None
-    torch.cuda.manual_seed_all = lambda *a, **k: None  # aliasing torch.manual_seed would recurse
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.Tensor.type = _type
+    if _mode is not None:
+        return
+    _set(torch.cuda, "current_device", lambda: torch.device("cpu"))  # param_and_grad_buffer.py allocates on it
+    _set(torch.cuda, "synchronize", lambda *a, **k: None)  # p2p_communication.py (pipeline parallel)
+    _set(torch.cuda, "empty_cache", lambda *a, **k: None)
+    _set(torch.cuda, "manual_seed", lambda *a, **k: None)
+    _set(torch.cuda, "manual_seed_all", lambda *a, **k: None)  # aliasing torch.manual_seed would recurse
+    _set(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _set(torch.Tensor, "type", _type)
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # the RNG tracker on the CPU
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state().clone()
+    _set(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))  # the RNG tracker on the CPU
+    _set(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state().clone())
     try:
         from megatron.core.transformer.moe import moe_utils
 
         if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None  # NameError at moe_utils.py:1192 without TransformerEngine
+            _set(moe_utils, "te_general_gemm", None)  # NameError at moe_utils.py:1192 without TransformerEngine
     except ImportError:
         pass
+    _mode = CudaToCpu()
+    _mode.__enter__()
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (for a test that ran Megatron in the pytest process itself)."""
+    global _mode
     if _mode is None:
-        _mode = CudaToCpu()
-        _mode.__enter__()
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    while _saved:
+        owner, attr, value = _saved.pop()
+        if value is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)

@@ -1,7 +1,7 @@
 """Fair Cast on megatron-core 0.16.1 (CPU, gloo): the served bf16 params after each step, for every layout.
 
-Two torchrun launches serve every test (a launch costs ~10 s of imports): world size 1 and world size 2; each runs
-its scenarios (tests/megatron/worker.py) one after another in one process group.
+Three torchrun launches serve every test (a launch costs ~10 s of imports): world sizes 1, 2 and 4 (TP2 x DP2); each
+runs its scenarios (tests/megatron/worker.py) one after another in one process group.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass"]
 WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume"]
+WS4 = ["tp2", "tp2_off"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600
 
 
@@ -48,6 +49,11 @@ def ws1(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ws2(tmp_path_factory):
     return launch(2, WS2, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ws4(tmp_path_factory):
+    return launch(4, WS4, tmp_path_factory)
 
 
 def _ranks(results, name):
@@ -108,6 +114,17 @@ def test_stages_and_expert_ranks_never_share_a_key(ws2, name, axis):
         assert not any(".experts." in n for n in shared), shared
         experts = sorted(n for n in set(names0) | set(names1) if ".local_experts." in n)
         assert {n.split(".local_experts.")[1].split(".")[0] for n in experts} == {"0", "1", "2", "3"}
+
+
+def test_tp2_x_dp2_serves_fair_cast_of_the_master(ws4):
+    """Four ranks: two TP ranks, each with two data-parallel ranks splitting its distributed-optimizer ranges."""
+    _served_fair_cast(ws4, "tp2", " (TP2 x DP2)")
+    _served_rtn(ws4, "tp2_off")
+    ranks = _ranks(ws4, "tp2")
+    assert sorted(r["coords"]["tp"] for r in ranks) == [0, 0, 1, 1]
+    for tp in (0, 1):  # the two DP ranks of a TP rank split its elements between them
+        cast = [r["elements_cast"] for r in ranks if r["coords"]["tp"] == tp]
+        assert all(c > 0 for c in cast) and len(set(tuple(r["check"]["names"]) for r in ranks)) == 1
 
 
 def test_tensor_parallel_keys_the_full_tensor(ws2):

@@ -324,7 +324,7 @@ def run(spec: dict) -> dict:
         num_iterations=spec["num_iterations"], steps_per_generation=spec["steps_per_generation"],
         epsilon=spec["epsilon"], loss_type=spec["loss_type"], scale_rewards="group",
         vllm_importance_sampling_correction=spec["is_correction"], vllm_importance_sampling_mode="sequence_mask",
-        vllm_importance_sampling_clip_max=3.0,
+        vllm_importance_sampling_clip_max=3.0, gradient_checkpointing=spec.get("gradient_checkpointing", True),
         temperature=1.0, beta=0.0, use_cpu=not cuda, bf16=compute == "bf16-autocast", fp16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=max(64, n_prompt_tokens + n_answer_tokens + 8),
@@ -345,6 +345,9 @@ def run(spec: dict) -> dict:
                           if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 records.append({**logged, "step": state.global_step, "adam_v_mean": adam_second_moment_mean(
                     trainer.optimizer), **export.metrics()})
+                if state.global_step % eval_every:  # progress between eval points (an eval point prints its own line)
+                    print(f"  [{label}] step {state.global_step:>4}/{steps}  reward {logged.get('reward', float('nan')):.3f}"
+                          f"  ({time.time() - start:.0f} s)", flush=True)
 
         def on_step_end(self, args, state, control, **kwargs):
             step = state.global_step

@@ -92,6 +92,8 @@ def run_spec(proto: Protocol, arm: str, seed: int, model: str, train, heldout, o
         "audit_sample": proto.audit_sample, "compute": proto.compute, "lr_schedule": proto.lr_schedule,
         "num_iterations": proto.num_iterations, "steps_per_generation": proto.steps_per_generation,
         "epsilon": proto.epsilon, "loss_type": proto.loss_type, "is_correction": proto.is_correction,
+        # only when off, so the specs (and digests) of protocols written before the field are unchanged
+        **({} if proto.gradient_checkpointing else {"gradient_checkpointing": False}),
         "readouts": proto.readouts, "train": [asdict(p) for p in train], "heldout": [asdict(p) for p in heldout],
     }
 

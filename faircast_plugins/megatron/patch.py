@@ -12,8 +12,9 @@ back after every step with a round-to-nearest ``copy_`` in one of two places:
 =====================================================  ============================================================
 
 The patch wraps both at the class level (inert for optimizers without ``_faircast``: critic, reference) and casts
-each (fp32 main, bf16 destination) pair per ROUNDING.md, keyed by :func:`~.layout.param_keys` (canonical name,
-full-tensor element index). It also wraps ``step`` of ``MixedPrecisionOptimizer`` and ``ChainedOptimizer``: the
+each (fp32 main, bf16 destination) pair per ROUNDING.md, keyed by the Hugging Face name and flat index of each
+element when a converter is given (megatron-bridge, :mod:`.hf_map`), else by :func:`~.layout.param_keys`
+(Megatron-native canonical name, full-tensor element index). It also wraps ``step`` of ``MixedPrecisionOptimizer`` and ``ChainedOptimizer``: the
 top-level optimizer's step advances the weight version once (a chained optimizer holds the dense and the expert
 optimizers) and rolls it back when the step is skipped (``found_inf``) or raises before any cast. After each step
 a collective check makes every rank confirm that the data-parallel ranks of each optimizer together cast every
@@ -26,15 +27,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..audit import reduce_metrics
-from ..caster import FairCaster
+from ..cast import fair_cast
+from ..caster import FairCaster, audit_track
 from ..export import save_state
 from ..patching import FairCastPatchError, PatchSet, installed_version
-from .layout import LayoutError, ParamKey, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys
+from .hf_map import ConverterError, HFGroup, VOCAB_PARAMS, build_element_map, converter_lookup, hf_vocab_size_of
+from .layout import LayoutError, ParamKey, _unwrap, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -60,10 +63,13 @@ def _sub_optimizers(optimizer) -> List:
 class MegatronFairCast:
     """Fair Cast state of one Megatron-core optimizer (chained or not): the caster and the key of every bf16 param."""
 
-    def __init__(self, optimizer, caster: FairCaster, keys: Dict[int, ParamKey]):
+    def __init__(self, optimizer, caster: FairCaster, keys: Dict[int, ParamKey],
+                 hf_groups: Optional[Dict[Tuple[int, int, int], List[HFGroup]]] = None):
         self.optimizer = optimizer
         self.caster = caster
         self.keys = keys
+        # (id(param), start, end) of each cast range -> its elements grouped per HF tensor (None: Megatron-native keys)
+        self.hf_groups = hf_groups
         self.cast_by_optimizer: Dict[int, int] = {}  # id(sub-optimizer) -> elements cast in this step
         self.problem: Optional[str] = None
         self.last_step_elements = 0
@@ -71,12 +77,9 @@ class MegatronFairCast:
         self.ema_may_start = caster.version == 0
 
     # -- the casts -------------------------------------------------------------------------------------------
-    def _cast(self, key: ParamKey, main: torch.Tensor, start: int, end: int, dst: torch.Tensor, step_ema: bool) -> None:
+    def _cast(self, key: ParamKey, main: torch.Tensor, start: int, end: int, dst: torch.Tensor, step_ema: bool,
+              param=None) -> None:
         main = main.detach().reshape(-1)
-        if key.contiguous or self.caster.mode == "error_feedback":  # error feedback is index-free
-            where = {"offset": key.offset(start) if key.contiguous else start}
-        else:
-            where = {"offset": start, "indices": key.indices(start, end, device=main.device)}
         if step_ema and self.caster.ema_on:
             start_value = dst.float() if self.ema_may_start else None
             if not self.ema_may_start and not self.caster.has_ema(key.name):
@@ -84,10 +87,28 @@ class MegatronFairCast:
                                                 f"state of the checkpoint (MegatronFairCast.load)")
                 return
             self.caster.update_ema(key.name, main, start=start_value)
-        if "indices" in where:
-            self.caster.cast(key.name, main, indices=where["indices"], out=dst)
+        groups = None if self.hf_groups is None else self.hf_groups.get((id(param), start, end))
+        if groups is not None and self.caster.mode != "error_feedback":  # error feedback is key- and index-free
+            self._cast_hf(key, main, start, dst, groups)
+        elif key.contiguous or self.caster.mode == "error_feedback":
+            self.caster.cast(key.name, main, offset=key.offset(start) if key.contiguous else start, out=dst)
         else:
-            self.caster.cast(key.name, main, offset=where["offset"], out=dst)
+            self.caster.cast(key.name, main, indices=key.indices(start, end, device=main.device), out=dst)
+
+    def _cast_hf(self, key: ParamKey, main: torch.Tensor, start: int, dst: torch.Tensor, groups: List[HFGroup]) -> None:
+        """One DP range keyed by HF name and HF flat index, one cast per HF tensor it holds (ROUNDING.md §1)."""
+        caster = self.caster
+        src = caster.source(key.name, main)  # the master, or its EMA (kept per Megatron param range)
+        for i, g in enumerate(groups):
+            if not g.contiguous and g.pos.device != src.device:
+                g = groups[i] = HFGroup(g.name, g.pos.to(src.device), g.hf.to(src.device))
+            mode, k = ("nearest", 0) if g.name is None else (caster.mode, caster.key(g.name))  # padded rows: RTN
+            if g.contiguous:
+                fair_cast(src[g.pos], key=k, offset=g.hf, mode=mode, backend=caster.config.backend, out=dst[g.pos])
+            else:
+                dst[g.pos] = fair_cast(src[g.pos], key=k, indices=g.hf, mode=mode, backend=caster.config.backend)
+        if caster.audit is not None:
+            caster.audit.observe(audit_track(key.name, start, main), caster.version, main, dst)
 
     def copy_distributed(self, opt, step_ema: bool = True) -> None:
         """The distributed optimizer's main->model copy, cast."""
@@ -98,7 +119,7 @@ class MegatronFairCast:
                 self.problem = self.problem or f"a bf16 param of shape {tuple(param.shape)} has no Fair Cast key"
                 dst.copy_(main)
                 continue
-            self._cast(key, main, start, end, dst, step_ema)
+            self._cast(key, main, start, end, dst, step_ema, param)
             cast += end - start
         for main, dst in fp32_ranges(opt):
             dst.copy_(main)
@@ -113,7 +134,7 @@ class MegatronFairCast:
                 self.problem = self.problem or f"a bf16 param of shape {tuple(param.shape)} has no Fair Cast key"
                 param.data.copy_(main)
                 continue
-            self._cast(key, main, 0, param.numel(), param.data.view(-1), step_ema)
+            self._cast(key, main, 0, param.numel(), param.data.view(-1), step_ema, param)
             cast += param.numel()
         self.cast_by_optimizer[id(opt)] = self.cast_by_optimizer.get(id(opt), 0) + cast
 
@@ -300,7 +321,8 @@ def install_megatron_patch() -> PatchSet:
     return PATCHES.apply(details="main->model param copy of optimizers with Fair Cast attached follows ROUNDING.md")
 
 
-def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None) -> Optional[MegatronFairCast]:
+def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, bridge=None, converters=None,
+                         hf_vocab_size: Optional[int] = None) -> Optional[MegatronFairCast]:
     """Make ``optimizer``'s fp32 -> bf16 main->model param copy follow the Fair Cast contract.
 
     ``optimizer``: what ``megatron.core.optimizer.get_megatron_optimizer`` returned for the policy (a
@@ -308,6 +330,12 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None) -> Op
     (critic and reference optimizers stay as they are). ``caster``: at the weight version of the optimizer's
     masters (0 for a fresh run; :meth:`MegatronFairCast.load` on resume). ``model_chunks``: the model chunks
     the optimizer was built for (default: the optimizer's own ``model_chunks``).
+
+    Keys (docs/ROUNDING.md §1): with ``bridge`` (megatron-bridge's ``AutoBridge``, its model bridge or mapping
+    registry: what exports the weights to Hugging Face) or ``converters`` (``{Megatron name: converter}``), every
+    element is keyed by its Hugging Face name and flat index, learnt once here from the converters themselves and
+    self-checked (:mod:`.hf_map`); ``hf_vocab_size`` (default: the bridge's HF config) marks the padded vocab rows.
+    Without either, the Megatron-native names key it (a user's own megatron-core loop).
 
     Returns the attached :class:`MegatronFairCast` (also ``optimizer._faircast``), or None when the config is
     neither enabled nor auditing. Raises :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported
@@ -333,16 +361,72 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None) -> Op
     if missing:
         raise FairCastPatchError(f"{len(missing)} bf16 params of the optimizer (first: shape {missing[0]}) are not in "
                                  f"the model chunks given; pass every chunk the optimizer was built for")
-    fc = MegatronFairCast(optimizer, caster, keys)
+    hf_groups = None
+    if bridge is not None or converters is not None:
+        try:
+            hf_groups = hf_cast_groups(subs, model_chunks, keys, bridge=bridge, converters=converters,
+                                       hf_vocab_size=hf_vocab_size)
+        except (ConverterError, ValueError) as exc:
+            raise FairCastPatchError(f"Fair Cast cannot key this Megatron model by Hugging Face names: {exc}") from None
+    fc = MegatronFairCast(optimizer, caster, keys, hf_groups)
     for opt in subs:
         opt.__dict__["_faircast"] = fc
     if len(subs) > 1 or subs[0] is not optimizer:
         optimizer.__dict__["_faircast"] = fc
     logger.warning(
-        "Fair Cast attached to Megatron-core %s (%s, %d bf16 params): %s, weight version %d", _installed(),
-        "+".join(type(o).__name__ for o in subs), len(keys), caster.config.describe(), caster.version,
+        "Fair Cast attached to Megatron-core %s (%s, %d bf16 params, %s keys): %s, weight version %d", _installed(),
+        "+".join(type(o).__name__ for o in subs), len(keys), "Megatron-native" if hf_groups is None else "Hugging Face",
+        caster.config.describe(), caster.version,
     )
     return fc
+
+
+def cast_ranges(subs) -> List[Tuple[torch.nn.Parameter, int, int]]:
+    """``(bf16 model param, start, end)`` of every range this rank's main->model copies cast."""
+    out = []
+    for opt in subs:
+        if type(opt).__name__ == "DistributedOptimizer":
+            out += [(p, s, e) for _, p, s, e, _ in dp_ranges(opt)]
+        elif not getattr(opt, "is_stub_optimizer", False):
+            out += [(p, 0, p.numel()) for _, p in float16_pairs(opt)]
+    return out
+
+
+def hf_cast_groups(subs, model_chunks, keys: Dict[int, ParamKey], *, bridge=None, converters=None,
+                   hf_vocab_size: Optional[int] = None) -> Dict[Tuple[int, int, int], List[HFGroup]]:
+    """Each cast range's elements grouped per Hugging Face tensor, from the converters' element maps (built one
+    param at a time and dropped once its ranges are grouped)."""
+    lookup = converter_lookup(bridge, converters)
+    if hf_vocab_size is None and bridge is not None:
+        hf_vocab_size = hf_vocab_size_of(bridge)
+    modules = {}
+    for chunk in model_chunks:
+        model = _unwrap(chunk)
+        for name, p in model.named_parameters():
+            modules.setdefault(id(p), model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model)
+    by_param: Dict[int, list] = {}
+    for p, start, end in cast_ranges(subs):
+        by_param.setdefault(id(p), [p]).append((start, end))
+    groups: Dict[Tuple[int, int, int], List[HFGroup]] = {}
+    owner: Dict[str, str] = {}
+    for pid, (p, *ranges) in by_param.items():
+        key = keys[pid]
+        if key.name in VOCAB_PARAMS and hf_vocab_size is None:
+            raise ConverterError(f"{key.name}: pass hf_vocab_size= (the Hugging Face vocab size: Megatron pads the "
+                                 f"vocab, the rows past it have no HF element)")
+        converter = lookup(key.name)
+        if converter is None:
+            raise ConverterError(f"no converter maps the Megatron param {key.name} to Hugging Face names, so Fair "
+                                 f"Cast cannot tell its HF name and index. Add one, or attach without converters "
+                                 f"(Megatron-native keys, docs/ROUNDING.md §1)")
+        emap = build_element_map(key, converter, modules.get(pid), hf_vocab_size)
+        for name in emap.names:
+            if owner.setdefault(name, key.name) != key.name:
+                raise ConverterError(f"{key.name} and {owner[name]} both convert to the HF tensor {name}; Fair "
+                                     f"Cast keys each HF element once")
+        for start, end in ranges:
+            groups[(pid, start, end)] = emap.groups(key, start, end)
+    return groups
 
 
 def remove_megatron_patch(optimizer) -> None:
@@ -389,8 +473,6 @@ def refused_options(opt):
 
 def refused_model_options(model_chunks):
     """Model options under which the bf16 params are not what the engine serves."""
-    from .layout import _unwrap
-
     for chunk in model_chunks:
         config = getattr(_unwrap(chunk), "config", None)
         if getattr(config, "layernorm_zero_centered_gamma", False):

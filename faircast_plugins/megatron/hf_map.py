@@ -1,0 +1,269 @@
+"""Which Hugging Face element each Megatron param element is: the element map that keys Fair Cast by HF name and
+HF flat index through a converter (docs/ROUNDING.md §1, "Megatron-core through a converter").
+
+A Megatron param is not an HF tensor: a fused QKV holds the q, k and v projections interleaved per query group,
+SwiGLU's ``linear_fc1`` holds gate and up, the embedding has padded vocab rows. The converter that exports the
+param to HF (megatron-bridge's ``mapping.megatron_to_hf``, or any callable with the same contract) knows where
+each element goes. The map is learnt from that converter itself, once, at attach:
+
+1. the param's full (TP=1) tensor is replaced by an int64 payload ``arange(numel)`` and converted: each HF tensor
+   that comes out holds, at each of its elements, the TP=1 index of the Megatron element that lands there;
+2. self-check: every Megatron element lands exactly once over the HF tensors (a bijection onto each of them), and
+   a random float payload comes out only permuted, the same way (a converter that adds, scales or casts values is
+   refused, naming the param and the converter);
+3. rows past the HF vocab size of the embedding and output layer (Megatron pads the vocab) have no HF element:
+   they keep no key and are cast round-to-nearest;
+4. layout.py's local -> TP=1 index composes with the map, so each rank's data-parallel range gets, per element,
+   ``(HF name, HF flat index)``, grouped per HF name (:meth:`ElementMap.groups`).
+
+Bridge mappings are probed without communication: a copy of the mapping tree sees tensor, pipeline and expert
+parallel groups of size 1 (so it converts the TP=1 tensor it is given) and any other use of a group raises.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+from .layout import ParamKey
+
+#: Megatron params whose dim 0 is the (padded) vocabulary
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class ConverterError(ValueError):
+    """A converter whose output Fair Cast cannot key bit for bit (not a pure rearrangement, missing, duplicated)."""
+
+
+@dataclass(frozen=True)
+class HFGroup:
+    """Elements ``pos`` of a DP range (offsets from its start) that are elements ``hf`` of the HF tensor ``name``.
+
+    ``pos`` is a slice and ``hf`` an int (the HF index of the first element) when both runs are contiguous, else
+    both are int64 tensors. ``name`` None: padded vocab rows, no HF element (round-to-nearest)."""
+
+    name: Optional[str]
+    pos: Union[slice, torch.Tensor]
+    hf: Union[int, torch.Tensor]
+
+    @property
+    def contiguous(self) -> bool:
+        return isinstance(self.pos, slice)
+
+
+class ElementMap:
+    """For every element of one Megatron param's full (TP=1) tensor: its HF tensor and HF flat index."""
+
+    def __init__(self, megatron_name: str, names: List[str], name_ids: torch.Tensor, hf_index: torch.Tensor,
+                 hf_shapes: Dict[str, Tuple[int, ...]]):
+        self.megatron_name = megatron_name
+        self.names = names  # HF names; name id -1: a padded row
+        self.name_ids = name_ids  # int32, one per TP=1 element
+        self.hf_index = hf_index  # int64, one per TP=1 element (-1 for padded rows)
+        self.hf_shapes = hf_shapes
+
+    @property
+    def padded(self) -> int:
+        return int((self.name_ids < 0).sum())
+
+    def lookup(self, full_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(name ids, HF indices)`` of the given TP=1 indices."""
+        full_indices = full_indices.to(self.name_ids.device)
+        return self.name_ids[full_indices], self.hf_index[full_indices]
+
+    def groups(self, key: ParamKey, start: int, end: int) -> List[HFGroup]:
+        """The HF groups of the TP-local elements ``[start, end)`` (one DP range), in HF-name order."""
+        full = torch.arange(start, end, dtype=torch.int64) + key.offset(0) if key.contiguous else key.indices(start, end)
+        ids, hf = self.lookup(full)
+        out = []
+        for nid in torch.unique(ids).tolist():
+            pos = torch.nonzero(ids == nid).view(-1)
+            name = self.names[nid] if nid >= 0 else None
+            where = hf[pos]
+            n = pos.numel()
+            pos_run = int(pos[-1]) - int(pos[0]) == n - 1  # sorted and unique: a run iff its span is n
+            hf_run = name is None or n == 1 or bool(((where[1:] - where[:-1]) == 1).all())
+            if pos_run and hf_run:
+                out.append(HFGroup(name, slice(int(pos[0]), int(pos[0]) + n), int(where[0]) if name else 0))
+            else:
+                out.append(HFGroup(name, pos, where))
+        return out
+
+
+# -- where the converters come from --------------------------------------------------------------------------
+Lookup = Callable[[str], Any]
+
+
+def converter_lookup(bridge=None, converters: Optional[Mapping[str, Any]] = None) -> Lookup:
+    """``megatron name -> converter`` from megatron-bridge (an ``AutoBridge``, a ``MegatronModelBridge`` or its
+    ``MegatronMappingRegistry``) or from an explicit ``{megatron name: converter}`` map. A converter is a bridge
+    param mapping (``megatron_to_hf(weights, module) -> {hf name: tensor}``) or a callable ``f(full TP=1 tensor)
+    -> {hf name: tensor}`` that only rearranges elements."""
+    if (bridge is None) == (converters is None):
+        raise ValueError("pass exactly one of bridge= and converters=")
+    if converters is not None:
+        table = dict(converters)
+        return table.get
+    registry = bridge
+    if hasattr(registry, "_model_bridge") and not hasattr(registry, "megatron_to_hf_lookup"):  # AutoBridge
+        registry = registry._model_bridge
+    if hasattr(registry, "mapping_registry") and not hasattr(registry, "megatron_to_hf_lookup"):  # model bridge
+        registry = registry.mapping_registry()
+    if not hasattr(registry, "megatron_to_hf_lookup"):
+        raise ValueError(f"{type(bridge).__name__} is not a megatron-bridge AutoBridge, MegatronModelBridge or "
+                         f"MegatronMappingRegistry (the vanilla mbridge is not supported); pass converters= instead")
+    return registry.megatron_to_hf_lookup
+
+
+def hf_vocab_size_of(bridge) -> Optional[int]:
+    """The HF vocab size a megatron-bridge ``AutoBridge`` was built for (its HF config), or None."""
+    pretrained = getattr(bridge, "hf_pretrained", None)
+    for config in (getattr(pretrained, "config", None), pretrained, getattr(bridge, "hf_config", None)):
+        size = getattr(config, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def describe(converter) -> str:
+    name = type(converter).__name__ if not callable(converter) or hasattr(converter, "megatron_to_hf") else \
+        getattr(converter, "__qualname__", repr(converter))
+    hf = getattr(converter, "hf_param", None)
+    return f"{name}({hf})" if hf is not None else name
+
+
+# -- running a converter without communication ---------------------------------------------------------------
+class _LocalGroup:
+    """A process-group stand-in of size 1 for probe copies: any use beyond size/rank is communication."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def __getattr__(self, name):
+        raise ConverterError(f"the converter used its process group ({name!r}) while Fair Cast probed it at "
+                             f"tensor/pipeline/expert parallel size 1: it communicates outside the gather helpers")
+
+
+_GROUP_ATTRS = ("pp_group", "ep_group", "_tp_group", "_etp_group")
+
+
+def _probe(mapping, module):
+    """A copy of a bridge mapping tree (composite mappings delegate to inner ones; AutoMapping creates its concrete
+    delegate lazily) that converts the TP=1 tensor it is given, with no collective."""
+    seen: Dict[int, Any] = {}
+
+    def warm(m):
+        if hasattr(m, "_detect_parallelism_type") and getattr(m, "_mapping", "absent") is None and module is not None:
+            kind = m._detect_parallelism_type(module)
+            m._mapping = m._get_or_create_mapping(kind)
+            m._detected_type = kind
+
+    def local(m):
+        if id(m) in seen:
+            return seen[id(m)]
+        warm(m)
+        c = copy.copy(m)
+        seen[id(m)] = c
+        for attr in _GROUP_ATTRS:
+            if hasattr(c, attr):
+                setattr(c, attr, _LocalGroup())
+        c.gather_from_ep_ranks = lambda weights, mod, name: {str(name): weights}
+        for attr, value in list(vars(c).items()):
+            if hasattr(value, "megatron_to_hf") and hasattr(value, "megatron_param"):
+                setattr(c, attr, local(value))
+        return c
+
+    return local(mapping)
+
+
+def run_converter(converter, payload: torch.Tensor, module) -> Dict[str, torch.Tensor]:
+    """``{hf name: tensor}`` of the converter applied to a full (TP=1) payload, without communication."""
+    if hasattr(converter, "megatron_to_hf"):
+        if any(hasattr(converter, a) for a in _GROUP_ATTRS):
+            converter = _probe(converter, module)
+        out = converter.megatron_to_hf(payload, module)
+    else:
+        out = converter(payload)
+    return dict(out or {})
+
+
+# -- the map of one param ------------------------------------------------------------------------------------
+def full_shape(key: ParamKey) -> Tuple[int, ...]:
+    shape = list(key.local_shape)
+    if key.partition_dim >= 0:
+        shape[key.partition_dim] *= key.tp_size
+    return tuple(shape)
+
+
+def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Optional[int] = None,
+                      *, generator: Optional[torch.Generator] = None) -> ElementMap:
+    """The element map of one param (its canonical Megatron name and layout in ``key``), from ``converter``, with
+    the self-checks. Raises :class:`ConverterError` naming the param and the converter."""
+    what = f"{key.name} through {describe(converter)}"
+    if getattr(converter, "is_grouped_export", False):
+        raise ConverterError(f"{what}: grouped expert exports (several Megatron params stacked into one HF tensor "
+                             f"by the bridge after the converter) are not supported by Fair Cast's element map")
+    shape = full_shape(key)
+    numel = 1
+    for s in shape:
+        numel *= s
+    index = run_converter(converter, torch.arange(numel, dtype=torch.int64).view(shape), module)
+    values = torch.randn(shape, generator=generator, dtype=torch.float32)
+    converted = run_converter(converter, values, module)
+    if not index:
+        raise ConverterError(f"{what}: the converter returned no HF tensor")
+    if sorted(index) != sorted(converted):
+        raise ConverterError(f"{what}: the converter returned other HF names for an index payload "
+                             f"({sorted(index)}) than for a float payload ({sorted(converted)})")
+    vocab = hf_vocab_size if key.name in VOCAB_PARAMS else None
+    names, hf_shapes = sorted(index), {}
+    name_ids = torch.full((numel,), -1, dtype=torch.int32)
+    hf_index = torch.full((numel,), -1, dtype=torch.int64)
+    hits = torch.zeros(numel, dtype=torch.int32)
+    flat_values = values.view(-1)
+    for nid, name in enumerate(names):
+        got, vals = index[name], converted[name]
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.int64:
+            raise ConverterError(f"{what}: {name} came out as {getattr(got, 'dtype', type(got).__name__)} from an int64 "
+                                 f"payload: the converter changes values, it does not only rearrange them")
+        if vals.dtype != torch.float32 or vals.shape != got.shape:
+            raise ConverterError(f"{what}: {name} came out as {vals.dtype} {tuple(vals.shape)} from an fp32 payload "
+                                 f"({tuple(got.shape)} from the index payload): a converter that casts or reshapes "
+                                 f"values differently per dtype is refused")
+        if vocab is not None:
+            if got.dim() == 0 or got.shape[0] < vocab:
+                raise ConverterError(f"{what}: {name} has {got.shape[0] if got.dim() else 0} rows, fewer than the HF "
+                                     f"vocab size {vocab}")
+            got, vals = got[:vocab], vals[:vocab]  # rows past the HF vocab: Megatron's padding, no HF element
+        flat, vflat = got.reshape(-1), vals.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
+            raise ConverterError(f"{what}: the converter changes values or invents elements: {name} came back from an "
+                                 f"index payload with indices outside the param")
+        if not torch.equal(vflat.view(torch.int32), flat_values[flat].view(torch.int32)):
+            bad = int(torch.nonzero(vflat.view(torch.int32) != flat_values[flat].view(torch.int32))[0])
+            raise ConverterError(
+                f"{what}: the converter changes values, it does not only rearrange them ({name} element {bad}: "
+                f"{float(vflat[bad])!r} from {float(flat_values[flat][bad])!r}). Fair Cast's served bits would be "
+                f"rounded again after the cast (zero-centred norms add 1, scaling, dtype casts): use a model and "
+                f"converter that only rearrange weights")
+        hits.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        name_ids[flat] = nid
+        hf_index[flat] = torch.arange(flat.numel(), dtype=torch.int64)
+        hf_shapes[name] = tuple(got.shape)
+    if int(hits.max()) > 1:
+        dup = int(torch.nonzero(hits > 1)[0])
+        raise ConverterError(f"{what}: element {dup} of the param lands in {int(hits[dup])} HF elements; Fair Cast "
+                             f"keys each element once (a bijection onto the HF tensors)")
+    missing = torch.nonzero(hits == 0).view(-1)
+    if missing.numel():
+        rows = numel // shape[0] if shape else 1
+        padded = vocab is not None and int(missing[0]) >= vocab * rows and missing.numel() == numel - vocab * rows
+        if not padded:
+            raise ConverterError(f"{what}: {missing.numel()} elements of the param (first: {int(missing[0])}) land in "
+                                 f"no HF tensor; only padded vocab rows of {', '.join(VOCAB_PARAMS)} may")
+    return ElementMap(key.name, names, name_ids, hf_index, hf_shapes)

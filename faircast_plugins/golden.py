@@ -60,6 +60,16 @@ ERROR_FEEDBACK = [
     (0x3F800000, 0xBF800000, 0x0000, 0x00000000),  # 1 + -1 = +0
 ]
 
+# Keys through a converter (ROUNDING.md §1): a fused QKV of 4 query heads in 2 groups, head dim 1, hidden 2,
+# rows q0 q1 k0 v0 q2 q3 k1 v1: (Megatron element, HF name, HF index, key of that name at (1234, 7), fp32 bits in,
+# bf16 bits out); under the Megatron-native keys the same elements serve NATIVE_QKV_OUT.
+HF_QKV_SHAPE, HF_QKV_HEADS, HF_QKV_GROUPS = (8, 2), 4, 2
+HF_QKV = [
+    (9, "model.layers.0.self_attn.q_proj.weight", 5, 0x24B966A3AF97FCBD, 0x3F80A000, 0x3F81),
+    (13, "model.layers.0.self_attn.k_proj.weight", 3, 0x324F5EB8917F9A66, 0x3F80A000, 0x3F81),
+]
+NATIVE_QKV = ("decoder.layers.0.self_attention.linear_qkv.weight", 0x3F80)
+
 # Every class of the contract: zeros, infinities, NaNs (quiet, signalling, payloads, negative), subnormals,
 # the normal minimum, bf16-exact values, RNE ties, fp32 max, values at and around the bf16 overflow threshold.
 SPECIALS = [

@@ -1,0 +1,93 @@
+"""The element map that keys Megatron params by Hugging Face name and index (docs/ROUNDING.md §1, "through a
+converter"), with hand-written converters: no megatron-core needed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faircast_plugins import golden
+from faircast_plugins.cast import fair_cast
+from faircast_plugins.key import derive_key
+from faircast_plugins.megatron.hf_map import ConverterError, build_element_map
+from faircast_plugins.megatron.layout import ParamKey
+from tests.megatron import hf_converters as conv
+
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+def _qkv_key(**kw):
+    return ParamKey(QKV, golden.HF_QKV_SHAPE, **kw)
+
+
+def test_golden_vector_of_the_contract():
+    """ROUNDING.md §1's example: fused QKV element -> (HF name, HF index) -> the served bits."""
+    converter = conv.qkv(golden.HF_QKV_HEADS, golden.HF_QKV_GROUPS,
+                         *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"))
+    emap = build_element_map(_qkv_key(), converter)
+    native_name, native_out = golden.NATIVE_QKV
+    for element, name, index, key, bits_in, bits_out in golden.HF_QKV:
+        ids, hf = emap.lookup(torch.tensor([element]))
+        assert (emap.names[int(ids[0])], int(hf[0])) == (name, index)
+        assert derive_key(1234, 7, name) == key
+        x = golden.fp32_from_bits([bits_in] * 16)
+        assert golden.bf16_bits(fair_cast(x, key=key))[index] == bits_out
+        assert golden.bf16_bits(fair_cast(x, key=derive_key(1234, 7, native_name)))[element] == native_out
+
+
+def test_padded_vocab_rows_have_no_key():
+    key = ParamKey("embedding.word_embeddings.weight", (6, 2))
+    emap = build_element_map(key, conv.same("model.embed_tokens.weight"), hf_vocab_size=5)
+    assert emap.hf_shapes == {"model.embed_tokens.weight": (5, 2)} and emap.padded == 2
+    ids, hf = emap.lookup(torch.arange(12))
+    assert ids[:10].tolist() == [0] * 10 and hf[:10].tolist() == list(range(10)) and ids[10:].tolist() == [-1, -1]
+    groups = emap.groups(key, 8, 12)
+    assert [(g.name, g.pos, g.hf) for g in groups] == [(None, slice(2, 4), 0), ("model.embed_tokens.weight", slice(0, 2), 8)]
+    with pytest.raises(ConverterError, match="no HF tensor"):  # without the vocab size the padding is not an HF element
+        build_element_map(key, lambda w: {"model.embed_tokens.weight": w[:5]})
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_tensor_parallel_slices_compose_with_the_map(tp_rank):
+    """A TP-local slice of a strided SwiGLU fc1 (partition stride 2): local element -> TP=1 index -> HF element."""
+    full = torch.arange(8 * 3).view(8, 3)  # gate rows 0-3, up rows 4-7
+    key = ParamKey("decoder.layers.0.mlp.linear_fc1.weight", (4, 3), tp_size=2, tp_rank=tp_rank, partition_dim=0, stride=2)
+    emap = build_element_map(key, conv.gated("gate", "up"))
+    local = key.indices(0, 12)
+    assert torch.equal(local, torch.cat([full[2 * tp_rank: 2 * tp_rank + 2], full[4 + 2 * tp_rank: 6 + 2 * tp_rank]]).view(-1))
+    groups = emap.groups(key, 0, 12)
+    assert [(g.name, g.pos, g.hf) for g in groups] == [("gate", slice(0, 6), 6 * tp_rank), ("up", slice(6, 12), 6 * tp_rank)]
+
+
+def test_a_column_split_gets_per_element_indices():
+    key = ParamKey("decoder.layers.0.self_attention.linear_proj.weight", (4, 2), tp_size=2, tp_rank=1, partition_dim=1)
+    emap = build_element_map(key, conv.same("o_proj"))
+    (g,) = emap.groups(key, 1, 7)
+    assert not g.contiguous and g.pos.tolist() == list(range(6)) and g.hf.tolist() == [3, 6, 7, 10, 11, 14]
+
+
+def test_arithmetic_converter_is_refused_naming_param_and_converter():
+    key = ParamKey("decoder.final_layernorm.weight", (8,))
+    with pytest.raises(ConverterError, match=r"decoder\.final_layernorm\.weight.*changes values"):
+        build_element_map(key, conv.plus_one("model.norm.weight"))
+
+    def scaled(w):
+        return {"model.norm.weight": w * 2 if w.is_floating_point() else w}
+
+    with pytest.raises(ConverterError, match="changes values"):
+        build_element_map(key, scaled)
+
+    def to_bf16(w):
+        return {"model.norm.weight": w.to(torch.bfloat16) if w.is_floating_point() else w}
+
+    with pytest.raises(ConverterError, match="casts"):
+        build_element_map(key, to_bf16)
+
+
+def test_duplicating_or_dropping_converters_are_refused():
+    key = ParamKey("decoder.final_layernorm.weight", (8,))
+    with pytest.raises(ConverterError, match="lands in 2 HF elements"):
+        build_element_map(key, lambda w: {"a": w, "b": w})
+    with pytest.raises(ConverterError, match="land in no HF tensor"):
+        build_element_map(key, lambda w: {"a": w[:4]})
+    with pytest.raises(ConverterError, match="no HF tensor"):
+        build_element_map(key, lambda w: {})

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.megatron import cpu_shims  # noqa: E402
+from tests.megatron import bridge_stubs, cpu_shims, hf_converters  # noqa: E402
 
 # FAIRCAST_MEGATRON_DEVICE=cuda: the same checks on a GPU (NCCL, no stand-ins), for the device script
 CUDA = os.environ.get("FAIRCAST_MEGATRON_DEVICE", "cpu") == "cuda"
@@ -43,10 +43,13 @@ from faircast_plugins import FairCastConfig, FairCaster  # noqa: E402
 from faircast_plugins.cast import fair_cast  # noqa: E402
 from faircast_plugins.key import derive_key  # noqa: E402
 from faircast_plugins.megatron import apply_megatron_patch, remove_megatron_patch  # noqa: E402
+from faircast_plugins.megatron.hf_map import VOCAB_PARAMS  # noqa: E402
+from faircast_plugins.megatron.layout import _unwrap  # noqa: E402
 from faircast_plugins.patching import FairCastPatchError  # noqa: E402
 
 SEED = 1234
 VOCAB, SEQ, MBS = 96, 16, 2
+HF_VOCAB = 90  # the HF tokenizer's vocab: Megatron's embedding and output layer pad it to VOCAB rows
 
 # name -> layout and options
 SCENARIOS = {
@@ -54,6 +57,8 @@ SCENARIOS = {
     "overlap": dict(overlap=True), "tp2": dict(tp=2), "pp2": dict(pp=2, layers=4), "ep2": dict(ep=2, experts=4),
     "tp2_off": dict(tp=2, faircast=False), "ef_resume": dict(mode="error_feedback", resume=True),
     "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
+    "hf": dict(hf=True), "hf_tied": dict(hf=True, tied=True), "hf_tp2": dict(hf=True, tp=2),
+    "hf_f16": dict(hf=True, distributed=False), "hf_refusals": dict(special=True),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -86,7 +91,8 @@ def build(opts):
     model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts), vocab_size=VOCAB,
         max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope" if opts.get("hf") else "learned_absolute",  # HF Llama: rotary, no position table
+        share_embeddings_and_output_weights=opts.get("tied", False),
     )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=opts.get("distributed", True),
@@ -223,6 +229,59 @@ def check(model, optimizer, fc, version, faircast, sources=None):
     return {"params": count, "mismatches": mismatches, "differs_from_rtn": differs_from_rtn, "names": names}
 
 
+def converters_for_test(tied=False):
+    """``(what apply_megatron_patch gets, lookup, bridge?)``: megatron-bridge's LlamaBridge mappings where it is
+    installed (their real megatron_to_hf, TP collectives included, is the export the check runs), else the
+    hand-written converters of tests/megatron/hf_converters.py."""
+    registry = bridge_stubs.llama_mapping_registry()
+    if registry is not None:
+        return {"bridge": registry}, registry.megatron_to_hf_lookup, True
+    lookup = hf_converters.llama_like(heads=4, groups=2, tied=tied)
+    names = [n for n, _ in _unwrap(_MODEL[0]).named_parameters()]
+    table = {n: lookup(n) for n in names if lookup(n) is not None}
+    return {"converters": table}, lookup, False
+
+
+_MODEL = [None]
+
+
+def check_hf(model, optimizer, lookup, bridge):
+    """Export the served bf16 params and the fp32 masters to Hugging Face tensors through the converters (the
+    bridge's real megatron_to_hf where installed), write the masters as an HF safetensors checkpoint and compare the
+    served tensors with what ``faircast export`` serves from that checkpoint, bit for bit."""
+    from safetensors.torch import save_file
+
+    from faircast_plugins.export import iter_served
+
+    gpt = _unwrap(model)
+    modules = {id(p): gpt.get_submodule(n.rsplit(".", 1)[0]) for n, p in gpt.named_parameters()}
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    hf_master, hf_served, padded_rtn, padded_rows = {}, {}, True, 0
+    for _, (p, master, served) in full_master_and_served(model, optimizer).items():
+        name = names[id(p)]
+        converter = lookup(name if not (name == "output_layer.weight" and gpt.share_embeddings_and_output_weights)
+                           else "embedding.word_embeddings.weight")
+        if bridge:
+            m, s = converter.megatron_to_hf(master, modules[id(p)]), converter.megatron_to_hf(served, modules[id(p)])
+        else:
+            m, s = converter(tp_full(master, p, False)), converter(tp_full(served, p, False))
+        for hf_name in m:
+            mm, ss = m[hf_name], s[hf_name]
+            if name in VOCAB_PARAMS:
+                padded_rows += mm.shape[0] - HF_VOCAB
+                padded_rtn &= torch.equal(ss[HF_VOCAB:].view(torch.int16), mm[HF_VOCAB:].to(torch.bfloat16).view(torch.int16))
+                mm, ss = mm[:HF_VOCAB], ss[:HF_VOCAB]
+            hf_master[hf_name], hf_served[hf_name] = mm.float().contiguous().cpu(), ss.cpu()
+    ckpt = tempfile.mkdtemp(prefix=f"faircast_hf_master_r{dist.get_rank()}_")
+    save_file(hf_master, os.path.join(ckpt, "model.safetensors"))
+    exported = dict(iter_served(ckpt, seed=SEED, version=2, mode="stochastic"))
+    mismatches = [n for n in hf_served if not torch.equal(exported[n].view(torch.int16), hf_served[n].view(torch.int16))]
+    rtn = sum(int(not torch.equal(hf_master[n].to(torch.bfloat16).view(torch.int16), hf_served[n].view(torch.int16)))
+              for n in hf_served)
+    return {"bridge": bridge, "hf_names": sorted(hf_served), "mismatches": mismatches, "differs_from_rtn": rtn,
+            "padded_rows": padded_rows, "padded_rows_rtn": padded_rtn}
+
+
 def coords():
     return {"pp": ps.get_pipeline_model_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
             "tp": ps.get_tensor_model_parallel_rank()}
@@ -267,9 +326,11 @@ def verl_engine(config, model, optimizer):
 
 def special(name):
     """Refusals, a skipped step, a copy that bypasses Fair Cast (the collective check's negative control), verl."""
-    config, model, optimizer = build({})
+    config, model, optimizer = build({"hf": True} if name == "hf_refusals" else {})
     if name == "verl":
         return verl_engine(config, model, optimizer)
+    if name == "hf_refusals":
+        return hf_refusals(model, optimizer)
     cfg = FairCastConfig(enabled=True, seed=SEED)
     sub = optimizer.chained_optimizers[0]
     out = {}
@@ -326,6 +387,39 @@ def special(name):
     return out
 
 
+def hf_refusals(model, optimizer):
+    """Attach-time refusals of the HF keying: a param without a converter, an arithmetic converter (also the
+    bridge's own zero-centred norm mapping where installed), no HF vocab size."""
+    _MODEL[0] = model
+    attach, lookup, bridge = converters_for_test()
+    cfg = FairCastConfig(enabled=True, seed=SEED)
+    out = {}
+    table = {n: lookup(n) for n, _ in _unwrap(model).named_parameters()}
+    cases = {
+        "missing": ({"converters": {n: c for n, c in table.items() if n != "decoder.final_layernorm.weight"}},
+                    ["no converter", "decoder.final_layernorm.weight"]),
+        "arithmetic": ({"converters": {**table, "decoder.final_layernorm.weight": hf_converters.plus_one("model.norm.weight")}},
+                       ["decoder.final_layernorm.weight", "changes values"]),
+        "no_vocab_size": ({"converters": table, "hf_vocab_size": None}, ["hf_vocab_size"]),
+    }
+    if bridge:
+        from megatron.bridge.models.conversion.param_mapping import RMSNorm2ZeroCenteredRMSNormMapping
+
+        zc = RMSNorm2ZeroCenteredRMSNormMapping("decoder.final_layernorm.weight", "model.norm.weight")
+        cases["bridge_zero_centred"] = ({"converters": {**table, "decoder.final_layernorm.weight": zc}},
+                                        ["RMSNorm2ZeroCenteredRMSNormMapping", "changes values"])
+    for case, (kwargs, words) in cases.items():
+        kwargs = {"hf_vocab_size": HF_VOCAB, **kwargs}
+        try:
+            apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], **kwargs)
+            out[case] = "accepted"
+        except FairCastPatchError as exc:
+            out[case] = "refused" if all(w in str(exc) for w in words) else f"wrong message: {exc}"
+        finally:
+            remove_megatron_patch(optimizer)
+    return out
+
+
 def stock_copy(opt):
     """Megatron's own (round-to-nearest) distributed-optimizer copy, as it was before Fair Cast wrapped it."""
     from faircast_plugins.megatron.patch import PATCHES
@@ -345,7 +439,13 @@ def run(name):
     fc = None
     cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0),
                          audit=opts.get("audit", False))
-    if faircast:
+    hf = None
+    if faircast and opts.get("hf"):
+        _MODEL[0] = model
+        attach, lookup, bridge = converters_for_test(opts.get("tied", False))
+        fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], hf_vocab_size=HF_VOCAB, **attach)
+        hf = (lookup, bridge)
+    elif faircast:
         fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
     ema = opts.get("ema")
     history = [{n: m for n, (_, m, _) in full_params(model, optimizer).items()}] if ema else []
@@ -358,6 +458,8 @@ def run(name):
     sources = ema_of(history, ema) if ema else None
     out = {"steps_ok": all(r[0] for r in results), "version": fc.caster.version if fc else None,
            "check": check(model, optimizer, fc, 2, faircast, sources), "coords": coords()}
+    if hf is not None:  # the Megatron-native check above must now mismatch: the keys are the HF ones
+        out["hf"] = check_hf(model, optimizer, *hf)
     if opts.get("resume"):
         out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc)
     if fc is not None:

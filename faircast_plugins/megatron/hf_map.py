@@ -174,7 +174,7 @@ def _probe(mapping, module):
                 setattr(c, attr, _LocalGroup())
         c.gather_from_ep_ranks = lambda weights, mod, name: {str(name): weights}
         for attr, value in list(vars(c).items()):
-            if hasattr(value, "megatron_to_hf") and hasattr(value, "megatron_param"):
+            if hasattr(type(value), "megatron_to_hf") and hasattr(type(value), "hf_to_megatron"):  # an inner mapping
                 setattr(c, attr, local(value))
         return c
 

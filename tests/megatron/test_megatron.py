@@ -17,8 +17,10 @@ pytest.importorskip("megatron.core")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass"]
-WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume"]
+# the HF-keyed scenarios last: with megatron-bridge installed they import it behind TransformerEngine stand-ins
+WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass",
+       "hf", "hf_tied", "hf_f16", "hf_refusals"]
+WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2"]
 WS4 = ["tp2", "tp2_off"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600
 
@@ -187,3 +189,35 @@ def test_audit_metrics(ws1):
     assert m["faircast/version"] == 2.0 and 0 < m["faircast/served_changed_frac"] <= 1
     assert abs(m["faircast/lag_steps"]) < 0.5 and "faircast/bias_rel" in m
     assert set(_ranks(ws1, "do")[0]["metrics"]) == {"faircast/version"}  # audit off: the version only
+
+
+def _bridge_expected() -> bool:
+    import importlib.util
+
+    return os.environ.get("FAIRCAST_EXPECT_MEGATRON_BRIDGE") == "1" or importlib.util.find_spec("megatron.bridge") is not None
+
+
+@pytest.mark.parametrize("launch,name", [("ws1", "hf"), ("ws1", "hf_tied"), ("ws1", "hf_f16"), ("ws2", "hf"),
+                                         ("ws2", "hf_tp2")])
+def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(request, launch, name):
+    """With converters (megatron-bridge's LlamaBridge where installed, else hand-written stand-ins): the served
+    params, exported to HF tensors through the converters, are what ``faircast export`` serves from the HF
+    checkpoint of the fp32 master, bit for bit; the padded vocab rows are round-to-nearest."""
+    for r in _ranks(request.getfixturevalue(launch), name):
+        hf = r["hf"]
+        assert r["steps_ok"] and r["version"] == 2
+        assert hf["bridge"] == _bridge_expected(), hf["bridge"]
+        assert hf["mismatches"] == [], f"{name} ({launch}): served != faircast export for {hf['mismatches']}"
+        assert hf["differs_from_rtn"] == len(hf["hf_names"]) > 0
+        assert hf["padded_rows"] == (6 if name == "hf_tied" else 12) and hf["padded_rows_rtn"] is True
+        # the Megatron-native keys no longer describe the served bits: every param differs from them
+        assert len(r["check"]["mismatches"]) == r["check"]["params"]
+        names = set(hf["hf_names"])
+        assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"} <= names
+        assert ("lm_head.weight" in names) == (name != "hf_tied")
+
+
+def test_hf_keying_refusals_name_the_param(ws1):
+    (r,) = _ranks(ws1, "hf_refusals")
+    assert all(v == "refused" for v in r.values()), r
+    assert ("bridge_zero_centred" in r) == _bridge_expected()

@@ -4,8 +4,11 @@ verl 0.9.1's ``MegatronEngine`` (``workers/engine/megatron/transformer_impl.py``
 (``engine.module``) and Megatron-core's optimizer (``engine.optimizer``, ``initialize`` l.609) and steps it in
 ``optimizer_step`` (l.700). The forward, the loss and the bridge export (``get_per_tensor_param``) all read the
 bf16 params that the optimizer's main->model copy writes, so patching that copy (faircast_plugins/megatron) makes
-both the loss and the served weights ``fair_cast(master)``; no export patch is needed. Checkpoints: this rank's
-Fair Cast state is written next to verl's (``save_checkpoint`` / ``load_checkpoint``, l.774 / l.801).
+both the loss and the served weights ``fair_cast(master)``; no export patch is needed. The engine's megatron-bridge
+``AutoBridge`` (``engine.bridge``, the converters of that export) is passed on, so every element is keyed by the
+Hugging Face name and index it is exported as (docs/ROUNDING.md §1) and ``faircast export`` from the HF checkpoint
+of the master reproduces the served bits. Checkpoints: this rank's Fair Cast state is written next to verl's
+(``save_checkpoint`` / ``load_checkpoint``, l.774 / l.801).
 """
 from __future__ import annotations
 
@@ -36,8 +39,12 @@ def activate(engine, config: FairCastConfig) -> MegatronFairCast:
     if getattr(engine, "optimizer", None) is None:
         raise ValueError("actor_rollout_ref.faircast: the Megatron engine has no optimizer (forward_only?); "
                          "Fair Cast attaches to the actor's optimizer")
+    if getattr(engine, "vanilla_bridge", False):
+        raise ValueError("actor_rollout_ref.faircast with the vanilla mbridge (vanilla_mbridge=True) is not supported: "
+                         "Fair Cast keys the served weights through megatron-bridge's converters; set vanilla_mbridge=False")
     PATCHES.apply(details="Fair Cast state saved and loaded with verl's Megatron checkpoints")
-    fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module))
+    bridge = getattr(engine, "bridge", None)  # None: an engine built without a bridge keeps Megatron-native keys
+    fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module), bridge=bridge)
     setattr(engine, ATTR, fc)
     return fc
 

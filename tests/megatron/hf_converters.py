@@ -61,6 +61,13 @@ def llama_like(heads: int = 4, groups: int = 2, tied: bool = False) -> Callable[
             return None
         layer, rest = m.group(1), m.group(2)
         prefix = f"model.layers.{layer}."
+        e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest)  # global expert ids
+        if e:
+            expert = f"{prefix}mlp.experts.{e.group(1)}."
+            return gated(expert + "gate_proj.weight", expert + "up_proj.weight") if e.group(2) == "1" else \
+                same(expert + "down_proj.weight")
+        if rest == "mlp.router.weight":
+            return same(prefix + "mlp.gate.weight")
         if rest == "self_attention.linear_qkv.weight":
             return qkv(heads, groups, *(prefix + f"self_attn.{p}_proj.weight" for p in "qkv"))
         if rest == "mlp.linear_fc1.weight":

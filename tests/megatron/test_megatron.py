@@ -19,8 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 # the HF-keyed scenarios last: with megatron-bridge installed they import it behind TransformerEngine stand-ins
 WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass",
-       "hf", "hf_tied", "hf_f16", "hf_refusals"]
-WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2"]
+       "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals"]
+WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2", "hf_pp2",
+       "hf_ep2"]
 WS4 = ["tp2", "tp2_off"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600
 
@@ -197,24 +198,43 @@ def _bridge_expected() -> bool:
     return os.environ.get("FAIRCAST_EXPECT_MEGATRON_BRIDGE") == "1" or importlib.util.find_spec("megatron.bridge") is not None
 
 
-@pytest.mark.parametrize("launch,name", [("ws1", "hf"), ("ws1", "hf_tied"), ("ws1", "hf_f16"), ("ws2", "hf"),
-                                         ("ws2", "hf_tp2")])
+@pytest.mark.parametrize("launch,name", [("ws1", "hf"), ("ws1", "hf_tied"), ("ws1", "hf_f16"), ("ws1", "hf_resume"),
+                                         ("ws1", "hf_ema_resume"), ("ws2", "hf"), ("ws2", "hf_tp2"), ("ws2", "hf_pp2"),
+                                         ("ws2", "hf_ep2")])
 def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(request, launch, name):
     """With converters (megatron-bridge's LlamaBridge where installed, else hand-written stand-ins): the served
     params, exported to HF tensors through the converters, are what ``faircast export`` serves from the HF
-    checkpoint of the fp32 master, bit for bit; the padded vocab rows are round-to-nearest."""
+    checkpoint of the fp32 master (of its EMA for hf_ema_resume), bit for bit; the padded vocab rows are
+    round-to-nearest."""
+    names = set()
     for r in _ranks(request.getfixturevalue(launch), name):
         hf = r["hf"]
         assert r["steps_ok"] and r["version"] == 2
         assert hf["bridge"] == _bridge_expected(), hf["bridge"]
+        # the bridge's own megatron_to_hf (TP2: its TP gather) is the export wherever it can run without PP/EP
+        assert hf["real_export"] == (hf["bridge"] and name in ("hf", "hf_tied", "hf_f16", "hf_tp2", "hf_resume"))
         assert hf["mismatches"] == [], f"{name} ({launch}): served != faircast export for {hf['mismatches']}"
         assert hf["differs_from_rtn"] == len(hf["hf_names"]) > 0
-        assert hf["padded_rows"] == (6 if name == "hf_tied" else 12) and hf["padded_rows_rtn"] is True
+        held = set(hf["hf_names"])
+        vocab_tensors = ("model.embed_tokens.weight" in held) + ("lm_head.weight" in held)
+        assert hf["padded_rows"] == 6 * vocab_tensors and hf["padded_rows_rtn"] is True
         # the Megatron-native keys no longer describe the served bits: every param differs from them
         assert len(r["check"]["mismatches"]) == r["check"]["params"]
-        names = set(hf["hf_names"])
-        assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"} <= names
-        assert ("lm_head.weight" in names) == (name != "hf_tied")
+        names |= held
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.v_proj.weight"} <= names
+    assert ("model.layers.1.mlp.up_proj.weight" in names) == (name != "hf_ep2")  # MoE: experts, no dense MLP
+    assert ("lm_head.weight" in names) == (name != "hf_tied")
+    if name == "hf_pp2":
+        assert "model.layers.3.self_attn.q_proj.weight" in names
+    if name == "hf_ep2":  # each expert rank keys its own experts by their global id
+        assert {f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(4)} <= names
+
+
+@pytest.mark.parametrize("name", ["hf_resume", "hf_ema_resume"])
+def test_hf_keyed_resume_is_bit_exact(ws1, name):
+    (r,) = _ranks(ws1, name)
+    assert r["resume"]["version"] == 3 and r["resume"]["mismatches"] == [], r["resume"]
 
 
 def test_hf_keying_refusals_name_the_param(ws1):

@@ -44,7 +44,7 @@ from faircast_plugins.cast import fair_cast  # noqa: E402
 from faircast_plugins.key import derive_key  # noqa: E402
 from faircast_plugins.megatron import apply_megatron_patch, remove_megatron_patch  # noqa: E402
 from faircast_plugins.megatron.hf_map import VOCAB_PARAMS  # noqa: E402
-from faircast_plugins.megatron.layout import _unwrap  # noqa: E402
+from faircast_plugins.megatron.layout import _unwrap, param_keys  # noqa: E402
 from faircast_plugins.patching import FairCastPatchError  # noqa: E402
 
 SEED = 1234
@@ -59,6 +59,8 @@ SCENARIOS = {
     "resume": dict(resume=True), "ema_resume": dict(ema=0.5, resume=True),
     "hf": dict(hf=True), "hf_tied": dict(hf=True, tied=True), "hf_tp2": dict(hf=True, tp=2),
     "hf_f16": dict(hf=True, distributed=False), "hf_refusals": dict(special=True),
+    "hf_pp2": dict(hf=True, pp=2, layers=4), "hf_ep2": dict(hf=True, ep=2, experts=4),
+    "hf_resume": dict(hf=True, resume=True), "hf_ema_resume": dict(hf=True, ema=0.5, resume=True),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -229,42 +231,49 @@ def check(model, optimizer, fc, version, faircast, sources=None):
     return {"params": count, "mismatches": mismatches, "differs_from_rtn": differs_from_rtn, "names": names}
 
 
-def converters_for_test(tied=False):
-    """``(what apply_megatron_patch gets, lookup, bridge?)``: megatron-bridge's LlamaBridge mappings where it is
-    installed (their real megatron_to_hf, TP collectives included, is the export the check runs), else the
-    hand-written converters of tests/megatron/hf_converters.py."""
+def converters_for_test(model, opts):
+    """``(what apply_megatron_patch gets, lookup, bridge installed?)``: megatron-bridge's LlamaBridge mappings where it
+    is installed (``bridge=`` its registry; MoE layers: a ``converters=`` table of its mappings and hand-written
+    expert converters, LlamaBridge has none), else the hand-written converters of tests/megatron/hf_converters.py."""
     registry = bridge_stubs.llama_mapping_registry()
-    if registry is not None:
+    own = hf_converters.llama_like(heads=4, groups=2, tied=opts.get("tied", False))
+    if registry is not None and not opts.get("experts"):
         return {"bridge": registry}, registry.megatron_to_hf_lookup, True
-    lookup = hf_converters.llama_like(heads=4, groups=2, tied=tied)
-    names = [n for n, _ in _unwrap(_MODEL[0]).named_parameters()]
-    table = {n: lookup(n) for n in names if lookup(n) is not None}
-    return {"converters": table}, lookup, False
+    table = {}
+    for key in param_keys([model]).values():
+        converter = (registry.megatron_to_hf_lookup(key.name) if registry is not None else None) or own(key.name)
+        if converter is not None:
+            table[key.name] = converter
+    return {"converters": table}, table.get, registry is not None
 
 
-_MODEL = [None]
-
-
-def check_hf(model, optimizer, lookup, bridge):
-    """Export the served bf16 params and the fp32 masters to Hugging Face tensors through the converters (the
-    bridge's real megatron_to_hf where installed), write the masters as an HF safetensors checkpoint and compare the
-    served tensors with what ``faircast export`` serves from that checkpoint, bit for bit."""
+def check_hf(model, optimizer, fc, lookup, bridge, sources=None):
+    """Export the served bf16 params and the fp32 masters (or the EMA ``sources``) to Hugging Face tensors through
+    the converters, write the masters as an HF safetensors checkpoint and compare the served tensors with what
+    ``faircast export`` serves from that checkpoint, bit for bit. Without pipeline or expert parallelism the bridge's
+    mappings run for real (TP2: their own TP gather); otherwise they run on the gathered TP=1 tensor, without
+    collectives (hf_map.run_converter), as the hand-written converters always do."""
     from safetensors.torch import save_file
 
     from faircast_plugins.export import iter_served
+    from faircast_plugins.megatron.hf_map import run_converter
 
     gpt = _unwrap(model)
     modules = {id(p): gpt.get_submodule(n.rsplit(".", 1)[0]) for n, p in gpt.named_parameters()}
-    names = {id(p): n for n, p in gpt.named_parameters()}
-    hf_master, hf_served, padded_rtn, padded_rows = {}, {}, True, 0
-    for _, (p, master, served) in full_master_and_served(model, optimizer).items():
-        name = names[id(p)]
-        converter = lookup(name if not (name == "output_layer.weight" and gpt.share_embeddings_and_output_weights)
-                           else "embedding.word_embeddings.weight")
-        if bridge:
+    real = bridge and ps.get_pipeline_model_parallel_world_size() == 1 and ps.get_expert_model_parallel_world_size() == 1
+    hf_master, hf_served, padded_rtn, padded_rows, real_used = {}, {}, True, 0, False
+    for local, (p, master, served) in full_master_and_served(model, optimizer).items():
+        name = fc.keys[id(p)].name  # global layer / expert, a tied output layer named as the embedding
+        converter, expert = lookup(name), not getattr(p, "allreduce", True)
+        if sources is not None:
+            master = sources[local]  # TP=1 (world-1 runs only)
+        if real and hasattr(converter, "megatron_to_hf") and sources is None:
             m, s = converter.megatron_to_hf(master, modules[id(p)]), converter.megatron_to_hf(served, modules[id(p)])
+            real_used = True
         else:
-            m, s = converter(tp_full(master, p, False)), converter(tp_full(served, p, False))
+            full = master if sources is not None else tp_full(master, p, expert)
+            m = run_converter(converter, full, modules[id(p)])
+            s = run_converter(converter, tp_full(served, p, expert), modules[id(p)])
         for hf_name in m:
             mm, ss = m[hf_name], s[hf_name]
             if name in VOCAB_PARAMS:
@@ -278,8 +287,8 @@ def check_hf(model, optimizer, lookup, bridge):
     mismatches = [n for n in hf_served if not torch.equal(exported[n].view(torch.int16), hf_served[n].view(torch.int16))]
     rtn = sum(int(not torch.equal(hf_master[n].to(torch.bfloat16).view(torch.int16), hf_served[n].view(torch.int16)))
               for n in hf_served)
-    return {"bridge": bridge, "hf_names": sorted(hf_served), "mismatches": mismatches, "differs_from_rtn": rtn,
-            "padded_rows": padded_rows, "padded_rows_rtn": padded_rtn}
+    return {"bridge": bridge, "real_export": real_used, "hf_names": sorted(hf_served), "mismatches": mismatches,
+            "differs_from_rtn": rtn, "padded_rows": padded_rows, "padded_rows_rtn": padded_rtn}
 
 
 def coords():
@@ -390,8 +399,7 @@ def special(name):
 def hf_refusals(model, optimizer):
     """Attach-time refusals of the HF keying: a param without a converter, an arithmetic converter (also the
     bridge's own zero-centred norm mapping where installed), no HF vocab size."""
-    _MODEL[0] = model
-    attach, lookup, bridge = converters_for_test()
+    _, lookup, bridge = converters_for_test(model, {})
     cfg = FairCastConfig(enabled=True, seed=SEED)
     out = {}
     table = {n: lookup(n) for n, _ in _unwrap(model).named_parameters()}
@@ -439,14 +447,13 @@ def run(name):
     fc = None
     cfg = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"), ema_decay=opts.get("ema", 0.0),
                          audit=opts.get("audit", False))
-    hf = None
+    hf, attach = None, {}
     if faircast and opts.get("hf"):
-        _MODEL[0] = model
-        attach, lookup, bridge = converters_for_test(opts.get("tied", False))
-        fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], hf_vocab_size=HF_VOCAB, **attach)
+        attach, lookup, bridge = converters_for_test(model, opts)
+        attach["hf_vocab_size"] = HF_VOCAB
         hf = (lookup, bridge)
-    elif faircast:
-        fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model])
+    if faircast:
+        fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], **attach)
     ema = opts.get("ema")
     history = [{n: m for n, (_, m, _) in full_params(model, optimizer).items()}] if ema else []
     results = []
@@ -459,9 +466,9 @@ def run(name):
     out = {"steps_ok": all(r[0] for r in results), "version": fc.caster.version if fc else None,
            "check": check(model, optimizer, fc, 2, faircast, sources), "coords": coords()}
     if hf is not None:  # the Megatron-native check above must now mismatch: the keys are the HF ones
-        out["hf"] = check_hf(model, optimizer, *hf)
+        out["hf"] = check_hf(model, optimizer, fc, *hf, sources=sources)
     if opts.get("resume"):
-        out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc)
+        out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc, attach)
     if fc is not None:
         out["elements_cast"] = fc.last_step_elements
         out["metrics"] = fc.metrics()
@@ -475,7 +482,7 @@ def _mains(opt):
     return [m for group in groups for m in group]
 
 
-def resume_check(opts, cfg, config, model, optimizer, fc):
+def resume_check(opts, cfg, config, model, optimizer, fc, attach=None):
     """Save after 2 steps, take a 3rd; rebuild, load, take the 3rd again: the served bits must be equal."""
     tmp = os.path.join(tempfile.gettempdir(), f"faircast_megatron_{os.environ.get('MASTER_PORT', '0')}")
     model_state = {k: v.clone() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -497,7 +504,7 @@ def resume_check(opts, cfg, config, model, optimizer, fc):
         o.optimizer.load_state_dict(copy.deepcopy(inner))
         for dst, src in zip(_mains(o), mains):
             dst.data.copy_(src)
-    fc2 = apply_megatron_patch(optimizer2, FairCaster(cfg), model_chunks=[model2])
+    fc2 = apply_megatron_patch(optimizer2, FairCaster(cfg), model_chunks=[model2], **(attach or {}))
     refused = None
     if fc2.caster.keeps_state:  # residuals / EMA cannot be recomputed: a checkpoint without them is refused
         try:

@@ -61,7 +61,7 @@ def test_doctor_check_fails_when_the_copy_rounds_to_nearest(shims, monkeypatch):
     """Negative control: a patch that keeps Megatron's round-to-nearest copy fails the check."""
     from faircast_plugins.megatron.patch import MegatronFairCast
 
-    def nearest(self, key, main, start, end, dst, step_ema):
+    def nearest(self, key, main, start, end, dst, *rest):  # (step_ema, param)
         dst.copy_(main.detach().reshape(-1))
 
     monkeypatch.setattr(MegatronFairCast, "_cast", nearest)

@@ -22,7 +22,7 @@ WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "a
        "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals"]
 WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2", "hf_pp2",
        "hf_ep2"]
-WS4 = ["tp2", "tp2_off"]  # TP2 x DP2
+WS4 = ["tp2", "tp2_off", "hf_tp2"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600
 
 
@@ -200,7 +200,7 @@ def _bridge_expected() -> bool:
 
 @pytest.mark.parametrize("launch,name", [("ws1", "hf"), ("ws1", "hf_tied"), ("ws1", "hf_f16"), ("ws1", "hf_resume"),
                                          ("ws1", "hf_ema_resume"), ("ws2", "hf"), ("ws2", "hf_tp2"), ("ws2", "hf_pp2"),
-                                         ("ws2", "hf_ep2")])
+                                         ("ws2", "hf_ep2"), ("ws4", "hf_tp2")])
 def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(request, launch, name):
     """With converters (megatron-bridge's LlamaBridge where installed, else hand-written stand-ins): the served
     params, exported to HF tensors through the converters, are what ``faircast export`` serves from the HF

@@ -91,3 +91,55 @@ def test_duplicating_or_dropping_converters_are_refused():
         build_element_map(key, lambda w: {"a": w[:4]})
     with pytest.raises(ConverterError, match="no HF tensor"):
         build_element_map(key, lambda w: {})
+
+
+def test_converter_lookup_takes_an_autobridge_a_model_bridge_or_a_registry():
+    from types import SimpleNamespace
+
+    from faircast_plugins.megatron.hf_map import converter_lookup, hf_vocab_size_of
+
+    registry = SimpleNamespace(megatron_to_hf_lookup=lambda name: f"mapping of {name}")
+    model_bridge = SimpleNamespace(mapping_registry=lambda: registry)
+    auto = SimpleNamespace(_model_bridge=model_bridge, hf_pretrained=SimpleNamespace(config=SimpleNamespace(vocab_size=90)))
+    for source in (auto, model_bridge, registry):
+        assert converter_lookup(source)("w") == "mapping of w"
+    assert hf_vocab_size_of(auto) == 90 and hf_vocab_size_of(registry) is None
+    assert converter_lookup(converters={"w": 1})("w") == 1
+    with pytest.raises(ValueError, match="vanilla mbridge"):
+        converter_lookup(SimpleNamespace(export_weights=lambda m: None))
+    with pytest.raises(ValueError, match="exactly one"):
+        converter_lookup()
+
+
+AUTOBRIDGE = """
+import sys
+sys.path.insert(0, {root!r})
+import megatron.core.optimizer
+from tests.megatron import bridge_stubs
+bridge_stubs.install()
+from transformers import LlamaConfig
+from megatron.bridge import AutoBridge
+from faircast_plugins.megatron.hf_map import converter_lookup, hf_vocab_size_of
+bridge = AutoBridge.from_hf_config(LlamaConfig(vocab_size=90, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               intermediate_size=96, num_hidden_layers=2, architectures=["LlamaForCausalLM"]))
+mapping = converter_lookup(bridge)("decoder.layers.1.self_attention.linear_qkv.weight")
+print(type(mapping).__name__, mapping.hf_param["k"], hf_vocab_size_of(bridge))
+"""
+
+
+def test_a_real_autobridge_gives_its_mappings_and_vocab_size():
+    """megatron-bridge's AutoBridge (the object verl's engine holds), built from an HF config without weights."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("megatron.bridge") is None:
+        if os.environ.get("FAIRCAST_EXPECT_MEGATRON_BRIDGE") == "1":
+            pytest.fail("megatron-bridge is not installed in this virtualenv")
+        pytest.skip("megatron-bridge not installed")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", AUTOBRIDGE.format(root=root)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["QKVMapping", "model.layers.1.self_attn.k_proj.weight", "90"], proc.stdout

@@ -128,8 +128,11 @@ def hf_vocab_size_of(bridge) -> Optional[int]:
 
 
 def describe(converter) -> str:
-    name = type(converter).__name__ if not callable(converter) or hasattr(converter, "megatron_to_hf") else \
-        getattr(converter, "__qualname__", repr(converter))
+    """The converter's class (a bridge mapping, with its HF names) or function name, for messages."""
+    if hasattr(converter, "megatron_to_hf"):
+        name = type(converter).__name__
+    else:
+        name = getattr(converter, "__qualname__", type(converter).__name__)
     hf = getattr(converter, "hf_param", None)
     return f"{name}({hf})" if hf is not None else name
 

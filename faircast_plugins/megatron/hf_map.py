@@ -139,26 +139,34 @@ def describe(converter) -> str:
 
 # -- running a converter without communication ---------------------------------------------------------------
 class _LocalGroup:
-    """A process-group stand-in of size 1 for probe copies: any use beyond size/rank is communication."""
+    """A process-group stand-in for probe copies: its size and rank only; any other use is communication."""
+
+    def __init__(self, size: int = 1, rank: int = 0):
+        self._size, self._rank = size, rank
 
     def size(self) -> int:
-        return 1
+        return self._size
 
     def rank(self) -> int:
-        return 0
+        return self._rank
 
     def __getattr__(self, name):
-        raise ConverterError(f"the converter used its process group ({name!r}) while Fair Cast probed it at "
-                             f"tensor/pipeline/expert parallel size 1: it communicates outside the gather helpers")
+        raise ConverterError(f"the converter used its process group ({name!r}) while Fair Cast probed it: it "
+                             f"communicates outside the tensor/expert-parallel gather helpers")
 
 
 _GROUP_ATTRS = ("pp_group", "ep_group", "_tp_group", "_etp_group")
 
 
-def _probe(mapping, module):
+def _probe(mapping, module, tp_size: int = 1, tp_rank: int = 0):
     """A copy of a bridge mapping tree (composite mappings delegate to inner ones; AutoMapping creates its concrete
-    delegate lazily) that converts the TP=1 tensor it is given, with no collective."""
+    delegate lazily) that runs without any collective: pipeline and expert parallel size 1, and tensor parallel
+    ``(tp_size, tp_rank)`` whose gather returns the given shard at ``tp_rank`` and -1 (another rank's elements) at
+    the others. At size 1 it converts the TP=1 tensor it is given."""
     seen: Dict[int, Any] = {}
+
+    def gather(tensor):
+        return [tensor if r == tp_rank else torch.full_like(tensor, -1) for r in range(tp_size)]
 
     def warm(m):
         if hasattr(m, "_detect_parallelism_type") and getattr(m, "_mapping", "absent") is None and module is not None:
@@ -174,8 +182,9 @@ def _probe(mapping, module):
         seen[id(m)] = c
         for attr in _GROUP_ATTRS:
             if hasattr(c, attr):
-                setattr(c, attr, _LocalGroup())
+                setattr(c, attr, _LocalGroup(tp_size, tp_rank) if attr in ("_tp_group", "_etp_group") else _LocalGroup())
         c.gather_from_ep_ranks = lambda weights, mod, name: {str(name): weights}
+        c.gather_from_tp_ranks = gather
         for attr, value in list(vars(c).items()):
             if hasattr(type(value), "megatron_to_hf") and hasattr(type(value), "hf_to_megatron"):  # an inner mapping
                 setattr(c, attr, local(value))
@@ -184,11 +193,16 @@ def _probe(mapping, module):
     return local(mapping)
 
 
-def run_converter(converter, payload: torch.Tensor, module) -> Dict[str, torch.Tensor]:
-    """``{hf name: tensor}`` of the converter applied to a full (TP=1) payload, without communication."""
+def is_bridge_mapping(converter) -> bool:
+    return hasattr(converter, "megatron_to_hf") and any(hasattr(converter, a) for a in _GROUP_ATTRS)
+
+
+def run_converter(converter, payload: torch.Tensor, module, tp_size: int = 1, tp_rank: int = 0) -> Dict[str, torch.Tensor]:
+    """``{hf name: tensor}`` of the converter applied to a full (TP=1) payload, without communication; a bridge
+    mapping at ``tp_size > 1`` takes rank ``tp_rank``'s shard instead (see :func:`_probe`)."""
     if hasattr(converter, "megatron_to_hf"):
-        if any(hasattr(converter, a) for a in _GROUP_ATTRS):
-            converter = _probe(converter, module)
+        if is_bridge_mapping(converter):
+            converter = _probe(converter, module, tp_size, tp_rank)
         out = converter.megatron_to_hf(payload, module)
     else:
         out = converter(payload)
@@ -269,4 +283,37 @@ def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Opti
         if not padded:
             raise ConverterError(f"{what}: {missing.numel()} elements of the param (first: {int(missing[0])}) land in "
                                  f"no HF tensor; only padded vocab rows of {', '.join(VOCAB_PARAMS)} may")
-    return ElementMap(key.name, names, name_ids, hf_index, hf_shapes)
+    emap = ElementMap(key.name, names, name_ids, hf_index, hf_shapes)
+    if key.tp_size > 1 and key.partition_dim >= 0 and is_bridge_mapping(converter):
+        _check_tensor_parallel_path(emap, key, converter, module, vocab, what)
+    return emap
+
+
+def _check_tensor_parallel_path(emap: ElementMap, key: ParamKey, converter, module, vocab: Optional[int],
+                                what: str) -> None:
+    """The map is learnt on the TP=1 tensor that layout.py's local -> TP=1 rule assembles; the export runs the
+    converter's own TP path on the gathered shards. Run that path on this rank's shard (its TP=1 indices; the other
+    ranks' elements -1, no collective) and require every local element to land where the map says."""
+    local = key.indices(0, key.numel).view(key.local_shape)
+    out = run_converter(converter, local, module, key.tp_size, key.tp_rank)
+    seen = 0
+    for name, got in out.items():
+        if vocab is not None and got.dim() and got.shape[0] >= vocab:
+            got = got[:vocab]
+        flat = got.reshape(-1)
+        where = torch.nonzero(flat >= 0).view(-1)
+        if not where.numel():
+            continue
+        nid = emap.names.index(name) if name in emap.names else -2
+        ids, hf = emap.lookup(flat[where])
+        if nid == -2 or not (bool((ids == nid).all()) and torch.equal(hf, where)):
+            raise ConverterError(
+                f"{what}: at tensor parallel rank {key.tp_rank} of {key.tp_size} the converter's own TP path puts this "
+                f"rank's elements elsewhere in {name} than its TP=1 path does on the tensor Megatron's partition rule "
+                f"assembles (partition_dim {key.partition_dim}, stride {key.stride}): Fair Cast cannot tell which is "
+                f"exported. Run this model at tensor parallel size 1, or attach without converters")
+        seen += where.numel()
+    expected = key.numel - int((emap.lookup(local.reshape(-1))[0] < 0).sum())
+    if seen != expected:
+        raise ConverterError(f"{what}: at tensor parallel rank {key.tp_rank} of {key.tp_size} the converter's own TP "
+                             f"path exports {seen} of this rank's {expected} elements")

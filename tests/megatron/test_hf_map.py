@@ -143,3 +143,37 @@ def test_a_real_autobridge_gives_its_mappings_and_vocab_size():
                           timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-3:] == ["QKVMapping", "model.layers.1.self_attn.k_proj.weight", "90"], proc.stdout
+
+
+class _GatedLikeBridge:
+    """A stand-in with megatron-bridge's mapping shape (process-group attributes, ``gather_from_tp_ranks``): its TP
+    path splits every gathered shard into gate and up, as GatedMLPMapping does."""
+
+    def __init__(self):
+        self.pp_group = self.ep_group = self._tp_group = self._etp_group = None
+
+    def gather_from_tp_ranks(self, tensor):
+        raise AssertionError("a real collective: the probe must replace it")
+
+    def hf_to_megatron(self, weights, module):
+        raise NotImplementedError
+
+    def megatron_to_hf(self, weights, module):
+        size = self._tp_group.size() if self._tp_group is not None else 1
+        if size == 1:
+            return dict(zip(("gate", "up"), torch.chunk(weights, 2, dim=0)))
+        parts = [torch.chunk(shard, 2, dim=0) for shard in self.gather_from_tp_ranks(weights)]
+        return {"gate": torch.cat([p[0] for p in parts]), "up": torch.cat([p[1] for p in parts])}
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_the_converters_own_tensor_parallel_path_must_agree_with_the_map(tp_rank):
+    """At TP>1 the map (learnt on the TP=1 tensor Megatron's partition rule assembles) is checked against the
+    converter's own TP path on this rank's shard: a param whose metadata says stride 1 while the converter
+    de-interleaves each shard (as for a strided fc1) is refused instead of keyed wrongly."""
+    strided = ParamKey("decoder.layers.0.mlp.linear_fc1.weight", (4, 3), tp_size=2, tp_rank=tp_rank, partition_dim=0,
+                       stride=2)
+    build_element_map(strided, _GatedLikeBridge())
+    wrong = ParamKey(strided.name, (4, 3), tp_size=2, tp_rank=tp_rank, partition_dim=0, stride=1)
+    with pytest.raises(ConverterError, match="own TP path"):
+        build_element_map(wrong, _GatedLikeBridge())

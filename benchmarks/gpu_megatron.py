@@ -27,7 +27,9 @@ sys.path.insert(0, HERE)
 
 from gpu_report import Report, Skip, say  # noqa: E402
 
-SCENARIOS = ("do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "skip", "bypass", "refusals")
+# HF-keyed scenarios last (megatron-bridge, where installed, imports behind TransformerEngine stand-ins)
+SCENARIOS = ("do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "skip", "bypass", "refusals", "hf",
+             "hf_f16")
 RESUME_VERSION = 3  # two steps, a save, a load and one more step
 
 
@@ -52,7 +54,13 @@ def judge(report: Report, results: dict) -> None:
         if "error" in r:
             check(f"megatron {name}: runs", False, r["error"][-1500:])
             continue
-        if "check" in r:
+        if "hf" in r:  # keyed by HF name and index: compared with faircast export of the HF checkpoint instead
+            h = r["hf"]
+            check(f"megatron {name}: served HF tensors == faircast export of the HF checkpoint of the master "
+                  f"({len(h['hf_names'])} tensors, {'megatron-bridge' if h['bridge'] else 'hand-written'} converters)",
+                  h["mismatches"] == [] and h["padded_rows_rtn"] is True and h["differs_from_rtn"] == len(h["hf_names"]) > 0,
+                  f"mismatches {h['mismatches'][:5]}, padded rows RTN {h['padded_rows_rtn']}")
+        elif "check" in r:
             c = r["check"]
             on = not name.endswith("_off")
             want = c["params"] if on else 0

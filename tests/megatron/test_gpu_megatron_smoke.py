@@ -18,5 +18,6 @@ def test_cpu_smoke(tmp_path):
     assert proc.returncode == 0 and data["sections"] == {"megatron": "done"} and not data["failed"], \
         proc.stdout[-3000:] + proc.stderr[-3000:]
     names = [c["check"] for c in data["checks"]]
-    assert len(names) == 13 and all(c["ok"] for c in data["checks"])
+    assert len(names) == 15 and all(c["ok"] for c in data["checks"])
     assert any("do_off: every bf16 param is round-to-nearest" in n for n in names)
+    assert sum("faircast export of the HF checkpoint" in n for n in names) == 2

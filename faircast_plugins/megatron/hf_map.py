@@ -39,18 +39,46 @@ class ConverterError(ValueError):
 
 @dataclass(frozen=True)
 class HFGroup:
-    """Elements ``pos`` of a DP range (offsets from its start) that are elements ``hf`` of the HF tensor ``name``.
+    """Elements of a DP range (offsets from its start) that are elements of the HF tensor ``name``.
 
-    ``pos`` is a slice and ``hf`` an int (the HF index of the first element) when both runs are contiguous, else
-    both are int64 tensors. ``name`` None: padded vocab rows, no HF element (round-to-nearest)."""
+    One contiguous run of both: ``pos`` is a slice and ``hf`` the HF index of its first element. Otherwise ``pos``
+    is an int64 ``(runs, 3)`` tensor of ``(first offset, first HF index, length)`` per run, where both advance by
+    one per element, and ``hf`` is None: :meth:`expand` makes the per-element indices when casting, so a rank keeps
+    24 bytes per run (a row of a column split, a head block of a fused QKV), not 16 per element.
+    ``name`` None: padded vocab rows, no HF element (round-to-nearest)."""
 
     name: Optional[str]
     pos: Union[slice, torch.Tensor]
-    hf: Union[int, torch.Tensor]
+    hf: Optional[int] = None
 
     @property
     def contiguous(self) -> bool:
         return isinstance(self.pos, slice)
+
+    def expand(self, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(offsets, HF indices)`` of every element, int64 on ``device``."""
+        if self.contiguous:
+            n = self.pos.stop - self.pos.start
+            local = torch.arange(n, dtype=torch.int64, device=device)
+            return local + self.pos.start, local + (self.hf or 0)
+        runs = self.pos.to(device)
+        lengths = runs[:, 2]
+        firsts = torch.cumsum(lengths, 0) - lengths
+        within = torch.arange(int(lengths.sum()), dtype=torch.int64, device=device) - torch.repeat_interleave(firsts, lengths)
+        return torch.repeat_interleave(runs[:, 0], lengths) + within, torch.repeat_interleave(runs[:, 1], lengths) + within
+
+    def on(self, device) -> "HFGroup":
+        return self if self.contiguous or self.pos.device == torch.device(device) else HFGroup(self.name, self.pos.to(device))
+
+
+def _runs(pos: torch.Tensor, hf: torch.Tensor) -> torch.Tensor:
+    """``(first pos, first hf, length)`` of each maximal run where both advance by one."""
+    n = pos.numel()
+    start = torch.ones(n, dtype=torch.bool)
+    start[1:] = ((pos[1:] - pos[:-1]) != 1) | ((hf[1:] - hf[:-1]) != 1)
+    firsts = torch.nonzero(start).view(-1)
+    lengths = torch.diff(firsts, append=torch.tensor([n]))
+    return torch.stack([pos[firsts], hf[firsts], lengths], dim=1)
 
 
 class ElementMap:
@@ -81,14 +109,13 @@ class ElementMap:
         for nid in torch.unique(ids).tolist():
             pos = torch.nonzero(ids == nid).view(-1)
             name = self.names[nid] if nid >= 0 else None
-            where = hf[pos]
-            n = pos.numel()
-            pos_run = int(pos[-1]) - int(pos[0]) == n - 1  # sorted and unique: a run iff its span is n
-            hf_run = name is None or n == 1 or bool(((where[1:] - where[:-1]) == 1).all())
-            if pos_run and hf_run:
-                out.append(HFGroup(name, slice(int(pos[0]), int(pos[0]) + n), int(where[0]) if name else 0))
+            where = hf[pos] if name is not None else pos  # padded rows: runs of offsets only
+            runs = _runs(pos, where)
+            if runs.shape[0] == 1:
+                first, hf_first, n = (int(v) for v in runs[0])
+                out.append(HFGroup(name, slice(first, first + n), hf_first if name is not None else 0))
             else:
-                out.append(HFGroup(name, pos, where))
+                out.append(HFGroup(name, runs))
         return out
 
 

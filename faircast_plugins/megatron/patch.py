@@ -100,13 +100,13 @@ class MegatronFairCast:
         caster = self.caster
         src = caster.source(key.name, main)  # the master, or its EMA (kept per Megatron param range)
         for i, g in enumerate(groups):
-            if not g.contiguous and g.pos.device != src.device:
-                g = groups[i] = HFGroup(g.name, g.pos.to(src.device), g.hf.to(src.device))
+            g = groups[i] = g.on(src.device)  # its run table moves to the device once
             mode, k = ("nearest", 0) if g.name is None else (caster.mode, caster.key(g.name))  # padded rows: RTN
             if g.contiguous:
                 fair_cast(src[g.pos], key=k, offset=g.hf, mode=mode, backend=caster.config.backend, out=dst[g.pos])
             else:
-                dst[g.pos] = fair_cast(src[g.pos], key=k, indices=g.hf, mode=mode, backend=caster.config.backend)
+                pos, hf = g.expand(src.device)
+                dst[pos] = fair_cast(src[pos], key=k, indices=hf, mode=mode, backend=caster.config.backend)
         if caster.audit is not None:
             caster.audit.observe(audit_track(key.name, start, main), caster.version, main, dst)
 

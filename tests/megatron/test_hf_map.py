@@ -62,7 +62,17 @@ def test_a_column_split_gets_per_element_indices():
     key = ParamKey("decoder.layers.0.self_attention.linear_proj.weight", (4, 2), tp_size=2, tp_rank=1, partition_dim=1)
     emap = build_element_map(key, conv.same("o_proj"))
     (g,) = emap.groups(key, 1, 7)
-    assert not g.contiguous and g.pos.tolist() == list(range(6)) and g.hf.tolist() == [3, 6, 7, 10, 11, 14]
+    assert not g.contiguous and g.pos.tolist() == [[0, 3, 1], [1, 6, 2], [3, 10, 2], [5, 14, 1]]  # runs
+    pos, hf = g.expand()
+    assert pos.tolist() == list(range(6)) and hf.tolist() == [3, 6, 7, 10, 11, 14]
+
+
+def test_a_fused_qkv_range_is_kept_as_runs_of_head_blocks():
+    converter = conv.qkv(4, 2, "q", "k", "v")
+    key = ParamKey(QKV, (16, 8))  # head dim 2, hidden 8: rows q0 q0 q1 q1 k0 k0 v0 v0 | q2 q2 q3 q3 k1 k1 v1 v1
+    groups = {g.name: g for g in build_element_map(key, converter).groups(key, 0, 128)}
+    assert groups["q"].pos.tolist() == [[0, 0, 32], [64, 32, 32]]
+    assert groups["k"].contiguous is False and groups["k"].pos.tolist() == [[32, 0, 16], [96, 16, 16]]
 
 
 def test_arithmetic_converter_is_refused_naming_param_and_converter():

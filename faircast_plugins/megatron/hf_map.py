@@ -125,12 +125,15 @@ Lookup = Callable[[str], Any]
 
 def converter_lookup(bridge=None, converters: Optional[Mapping[str, Any]] = None) -> Lookup:
     """``megatron name -> converter`` from megatron-bridge (an ``AutoBridge``, a ``MegatronModelBridge`` or its
-    ``MegatronMappingRegistry``) or from an explicit ``{megatron name: converter}`` map. A converter is a bridge
-    param mapping (``megatron_to_hf(weights, module) -> {hf name: tensor}``) or a callable ``f(full TP=1 tensor)
-    -> {hf name: tensor}`` that only rearranges elements."""
+    ``MegatronMappingRegistry``), from an explicit ``{megatron name: converter}`` map, or from a callable ``lookup(
+    megatron name) -> converter or None`` (slime: :func:`faircast_plugins.megatron.slime.slime_converters`). A
+    converter is a bridge param mapping (``megatron_to_hf(weights, module) -> {hf name: tensor}``) or a callable
+    ``f(full TP=1 tensor) -> {hf name: tensor}`` that only rearranges elements."""
     if (bridge is None) == (converters is None):
         raise ValueError("pass exactly one of bridge= and converters=")
     if converters is not None:
+        if callable(converters) and not isinstance(converters, Mapping):
+            return converters
         table = dict(converters)
         return table.get
     registry = bridge

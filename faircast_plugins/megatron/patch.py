@@ -332,7 +332,8 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     the optimizer was built for (default: the optimizer's own ``model_chunks``).
 
     Keys (docs/ROUNDING.md §1): with ``bridge`` (megatron-bridge's ``AutoBridge``, its model bridge or mapping
-    registry: what exports the weights to Hugging Face) or ``converters`` (``{Megatron name: converter}``), every
+    registry: what exports the weights to Hugging Face) or ``converters`` (``{Megatron name: converter}`` or a
+    lookup function, e.g. slime's converters through :func:`.slime.slime_converters`), every
     element is keyed by its Hugging Face name and flat index, learnt once here from the converters themselves and
     self-checked (:mod:`.hf_map`); ``hf_vocab_size`` (default: the bridge's HF config) marks the padded vocab rows.
     Without either, the Megatron-native names key it (a user's own megatron-core loop).

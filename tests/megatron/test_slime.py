@@ -257,7 +257,7 @@ def test_real_slime_converters_on_a_megatron_core_optimizer(real_slime, tmp_path
     assert "error" not in r, r["error"]
     hf = r["hf"]
     assert r["steps_ok"] and r["version"] == 2
-    assert hf["mismatches"] == [] and hf["differs_from_rtn"] == len(hf["hf_names"]) > 0, hf
+    assert hf["mismatches"] == [] and hf["differs_from_rtn"] == len(hf["hf_names"]) == 21, hf  # 3 + 9 per layer
     assert hf["padded_rows"] == 2 * (VOCAB - HF_VOCAB) and hf["padded_rows_rtn"] is True
     assert len(r["check"]["mismatches"]) == r["check"]["params"]  # Megatron-native keys no longer describe the bits
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight",

@@ -61,6 +61,7 @@ SCENARIOS = {
     "hf_f16": dict(hf=True, distributed=False), "hf_refusals": dict(special=True),
     "hf_pp2": dict(hf=True, pp=2, layers=4), "hf_ep2": dict(hf=True, ep=2, experts=4),
     "hf_resume": dict(hf=True, resume=True), "hf_ema_resume": dict(hf=True, ema=0.5, resume=True),
+    "hf_slime": dict(hf=True, slime=True),  # slime's real converters (FAIRCAST_SLIME_SRC; tests/megatron/test_slime.py)
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -235,6 +236,8 @@ def converters_for_test(model, opts):
     """``(what apply_megatron_patch gets, lookup, bridge installed?)``: megatron-bridge's LlamaBridge mappings where it
     is installed (``bridge=`` its registry; MoE layers: a ``converters=`` table of its mappings and hand-written
     expert converters, LlamaBridge has none), else the hand-written converters of tests/megatron/hf_converters.py."""
+    if opts.get("slime"):
+        return slime_lookup()
     registry = bridge_stubs.llama_mapping_registry()
     own = hf_converters.llama_like(heads=4, groups=2, tied=opts.get("tied", False))
     if registry is not None and not opts.get("experts"):
@@ -245,6 +248,28 @@ def converters_for_test(model, opts):
         if converter is not None:
             table[key.name] = converter
     return {"converters": table}, table.get, registry is not None
+
+
+def slime_lookup():
+    """slime's real converters (``FAIRCAST_SLIME_SRC``, tests/megatron/slime_source.py) for this Llama-like GPT, as
+    slime's actor names the model of a LlamaConfig. slime's converters know the TransformerEngine spec's names only:
+    the local spec's input norm is handed to them under its TE name (the same tensor, fused into ``linear_qkv``)."""
+    import re
+    from types import SimpleNamespace
+
+    from faircast_plugins.megatron.slime import slime_converters
+    from tests.megatron import slime_source
+
+    slime_source.install(slime_source.source())
+    args = SimpleNamespace(vocab_size=HF_VOCAB, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                           kv_channels=None, q_lora_rank=None)
+    slime = slime_converters(args, "llamaconfig")
+
+    def lookup(name):
+        return slime(re.sub(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$",
+                            r"\1self_attention.linear_qkv.layer_norm_weight", name))
+
+    return {"converters": lookup}, lookup, False
 
 
 def check_hf(model, optimizer, fc, lookup, bridge, sources=None):
@@ -272,13 +297,16 @@ def check_hf(model, optimizer, fc, lookup, bridge, sources=None):
             real_used = True
         else:
             full = master if sources is not None else tp_full(master, p, expert)
+            full_served = tp_full(served, p, expert)
             m = run_converter(converter, full, modules[id(p)])
-            s = run_converter(converter, tp_full(served, p, expert), modules[id(p)])
+            s = run_converter(converter, full_served, modules[id(p)])
         for hf_name in m:
             mm, ss = m[hf_name], s[hf_name]
             if name in VOCAB_PARAMS:
-                padded_rows += mm.shape[0] - HF_VOCAB
-                padded_rtn &= torch.equal(ss[HF_VOCAB:].view(torch.int16), mm[HF_VOCAB:].to(torch.bfloat16).view(torch.int16))
+                # the padded rows: in the export (megatron-bridge), or dropped by the converter (slime's remove_padding)
+                pm, ps_ = (full[HF_VOCAB:], full_served[HF_VOCAB:]) if mm.shape[0] == HF_VOCAB else (mm[HF_VOCAB:], ss[HF_VOCAB:])
+                padded_rows += pm.shape[0]
+                padded_rtn &= torch.equal(ps_.view(torch.int16), pm.to(torch.bfloat16).view(torch.int16))
                 mm, ss = mm[:HF_VOCAB], ss[:HF_VOCAB]
             hf_master[hf_name], hf_served[hf_name] = mm.float().contiguous().cpu(), ss.cpu()
     ckpt = tempfile.mkdtemp(prefix=f"faircast_hf_master_r{dist.get_rank()}_")

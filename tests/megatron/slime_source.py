@@ -43,6 +43,22 @@ def install(src: str):
     return importlib.import_module(CONVERTERS)
 
 
+def install_weight_gather(src: str):
+    """slime's real TP gather of its weight sync, ``all_gather_param(name, param)`` (the full tensor of a TP-local
+    param from ``partition_dim``, the GLU fc1 re-chunked), from ``update_weight/common.py``; its module imports
+    ``slime.utils.types`` for a type annotation only (``ParamInfo``), whose module pulls slime's HTTP utilities: a
+    bare ``slime.utils`` package and a ``slime.utils.types`` holding an empty ``ParamInfo`` stand in for them.
+    Needs megatron-core (``mpu``) and an initialised process group to run."""
+    install(src)
+    utils = types.ModuleType("slime.utils")
+    utils.__path__ = [os.path.join(src, "slime", "utils")]
+    sys.modules["slime.utils"] = utils
+    stand_in = types.ModuleType("slime.utils.types")
+    stand_in.ParamInfo = type("ParamInfo", (), {})
+    sys.modules["slime.utils.types"] = stand_in
+    return importlib.import_module("slime.backends.megatron_utils.update_weight.common").all_gather_param
+
+
 def uninstall() -> None:
     for name in [n for n in sys.modules if n == "slime" or n.startswith("slime.")]:
         del sys.modules[name]

@@ -243,22 +243,27 @@ def test_real_slime_keys_equal_the_bridge_like_keys(real_slime):
         assert torch.equal(a.name_ids, b.name_ids) and torch.equal(a.hf_index, b.hf_index)
 
 
-def test_real_slime_converters_on_a_megatron_core_optimizer(real_slime, tmp_path_factory):
-    """tests/megatron/worker.py's ``hf_slime`` (world size 1, distributed optimizer, 2 steps): Fair Cast attached
-    with slime's converters (model 'llamaconfig'); the served params exported through slime's convert_to_hf are
-    what ``faircast export`` serves from the HF checkpoint of the fp32 master, bit for bit; the padded rows slime
-    drops stay round-to-nearest. The local layer spec's ``input_layernorm.weight`` is handed to slime under its
-    TransformerEngine name ``self_attention.linear_qkv.layer_norm_weight`` (the same tensor; slime's converters
-    know only the TE names)."""
+@pytest.mark.parametrize("nproc,name", [(1, "hf_slime"), (2, "hf_slime_tp2")])
+def test_real_slime_converters_on_a_megatron_core_optimizer(real_slime, tmp_path_factory, nproc, name):
+    """tests/megatron/worker.py's ``hf_slime`` (world size 1) and ``hf_slime_tp2`` (TP2; distributed optimizer, 2
+    steps): Fair Cast attached with slime's converters (model 'llamaconfig'); the served params, gathered by slime's
+    own ``all_gather_param`` (TP2: its GLU re-chunk of fc1) and exported through slime's convert_to_hf, are what
+    ``faircast export`` serves from the HF checkpoint of the fp32 master (assembled by Megatron's partition rule),
+    bit for bit; the padded rows slime drops stay round-to-nearest. The local layer spec's
+    ``input_layernorm.weight`` is handed to slime under its TransformerEngine name
+    ``self_attention.linear_qkv.layer_norm_weight`` (the same tensor; slime's converters know only the TE names)."""
     pytest.importorskip("megatron.core")
     from tests.megatron.test_megatron import launch
 
-    (r,) = launch(1, ["hf_slime"], tmp_path_factory)["hf_slime"]
-    assert "error" not in r, r["error"]
-    hf = r["hf"]
-    assert r["steps_ok"] and r["version"] == 2
-    assert hf["mismatches"] == [] and hf["differs_from_rtn"] == len(hf["hf_names"]) == 21, hf  # 3 + 9 per layer
-    assert hf["padded_rows"] == 2 * (VOCAB - HF_VOCAB) and hf["padded_rows_rtn"] is True
-    assert len(r["check"]["mismatches"]) == r["check"]["params"]  # Megatron-native keys no longer describe the bits
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
-            "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.up_proj.weight"} <= set(hf["hf_names"])
+    ranks = launch(nproc, [name], tmp_path_factory)[name]
+    assert sorted(r["coords"]["tp"] for r in ranks) == list(range(nproc))
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        hf = r["hf"]
+        assert r["steps_ok"] and r["version"] == 2
+        assert hf["slime_gather"] is True and hf["bridge"] is False
+        assert hf["mismatches"] == [] and hf["differs_from_rtn"] == len(hf["hf_names"]) == 21, hf  # 3 + 9 per layer
+        assert hf["padded_rows"] == 2 * (VOCAB - HF_VOCAB) and hf["padded_rows_rtn"] is True
+        assert len(r["check"]["mismatches"]) == r["check"]["params"]  # Megatron-native keys no longer fit the bits
+        assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
+                "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.up_proj.weight"} <= set(hf["hf_names"])

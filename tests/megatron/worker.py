@@ -35,6 +35,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
@@ -61,7 +62,8 @@ SCENARIOS = {
     "hf_f16": dict(hf=True, distributed=False), "hf_refusals": dict(special=True),
     "hf_pp2": dict(hf=True, pp=2, layers=4), "hf_ep2": dict(hf=True, ep=2, experts=4),
     "hf_resume": dict(hf=True, resume=True), "hf_ema_resume": dict(hf=True, ema=0.5, resume=True),
-    "hf_slime": dict(hf=True, slime=True),  # slime's real converters (FAIRCAST_SLIME_SRC; tests/megatron/test_slime.py)
+    # slime's real converters (FAIRCAST_SLIME_SRC; tests/megatron/test_slime.py); TP2: and slime's own TP gather
+    "hf_slime": dict(hf=True, slime=True), "hf_slime_tp2": dict(hf=True, slime=True, tp=2),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -97,6 +99,9 @@ def build(opts):
         position_embedding_type="rope" if opts.get("hf") else "learned_absolute",  # HF Llama: rotary, no position table
         share_embeddings_and_output_weights=opts.get("tied", False),
     )
+    if opts.get("slime"):  # slime builds through megatron.training's get_model, which does this for every param
+        for p in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=opts.get("distributed", True),
         overlap_param_gather=opts.get("overlap", False), overlap_grad_reduce=opts.get("overlap", False),
@@ -260,7 +265,7 @@ def slime_lookup():
     from faircast_plugins.megatron.slime import slime_converters
     from tests.megatron import slime_source
 
-    slime_source.install(slime_source.source())
+    gather = slime_source.install_weight_gather(slime_source.source())
     args = SimpleNamespace(vocab_size=HF_VOCAB, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                            kv_channels=None, q_lora_rank=None)
     slime = slime_converters(args, "llamaconfig")
@@ -269,6 +274,7 @@ def slime_lookup():
         return slime(re.sub(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$",
                             r"\1self_attention.linear_qkv.layer_norm_weight", name))
 
+    lookup.slime_gather = gather  # check_hf gathers the served params as slime's weight sync does
     return {"converters": lookup}, lookup, False
 
 
@@ -287,6 +293,7 @@ def check_hf(model, optimizer, fc, lookup, bridge, sources=None):
     modules = {id(p): gpt.get_submodule(n.rsplit(".", 1)[0]) for n, p in gpt.named_parameters()}
     real = bridge and ps.get_pipeline_model_parallel_world_size() == 1 and ps.get_expert_model_parallel_world_size() == 1
     hf_master, hf_served, padded_rtn, padded_rows, real_used = {}, {}, True, 0, False
+    slime_gather = getattr(lookup, "slime_gather", None)
     for local, (p, master, served) in full_master_and_served(model, optimizer).items():
         name = fc.keys[id(p)].name  # global layer / expert, a tied output layer named as the embedding
         converter, expert = lookup(name), not getattr(p, "allreduce", True)
@@ -297,7 +304,9 @@ def check_hf(model, optimizer, fc, lookup, bridge, sources=None):
             real_used = True
         else:
             full = master if sources is not None else tp_full(master, p, expert)
-            full_served = tp_full(served, p, expert)
+            # the served tensor as the export assembles it (slime: its own all_gather_param of the param, at TP > 1
+            # its GLU re-chunk); the master by Megatron's partition rule (tp_full), what Fair Cast's keys assume
+            full_served = slime_gather("module.module." + name, p).clone() if slime_gather else tp_full(served, p, expert)
             m = run_converter(converter, full, modules[id(p)])
             s = run_converter(converter, full_served, modules[id(p)])
         for hf_name in m:
@@ -315,7 +324,7 @@ def check_hf(model, optimizer, fc, lookup, bridge, sources=None):
     mismatches = [n for n in hf_served if not torch.equal(exported[n].view(torch.int16), hf_served[n].view(torch.int16))]
     rtn = sum(int(not torch.equal(hf_master[n].to(torch.bfloat16).view(torch.int16), hf_served[n].view(torch.int16)))
               for n in hf_served)
-    return {"bridge": bridge, "real_export": real_used, "hf_names": sorted(hf_served), "mismatches": mismatches,
+    return {"bridge": bridge, "real_export": real_used, "slime_gather": slime_gather is not None, "hf_names": sorted(hf_served), "mismatches": mismatches,
             "differs_from_rtn": rtn, "padded_rows": padded_rows, "padded_rows_rtn": padded_rtn}
 
 

@@ -59,7 +59,8 @@ def run_ab(args) -> int:
         raise SystemExit(f"faircast ab: {e}") from None
     changed = sorted(k for k, v in overrides.items() if v is not None)
     provenance = file_provenance(proto.source)
-    if changed:
+    if changed:  # the file may be committed unchanged; the run still differs from it
+        provenance["file_committed_unchanged"] = provenance["committed_unchanged"]
         provenance["committed_unchanged"] = False
         provenance["overrides"] = changed
     start, session = time.time(), start_session()  # provenance at the start, before anything runs

@@ -233,6 +233,16 @@ def _effect_sections(results: dict, proto) -> List[str]:
     return lines
 
 
+def _protocol_status(prov: dict) -> str:
+    """Whether the run is the committed protocol, or differs from it (and how)."""
+    if prov.get("committed_unchanged"):
+        return ""
+    if prov.get("file_committed_unchanged") and prov.get("overrides"):
+        return (f" (the file committed unchanged; run with overrides of {', '.join(prov['overrides'])}: **exploratory "
+                f"unless the protocol's text declares this run**, as a stage or a subset)")
+    return " (**not committed as run: exploratory**)"
+
+
 def markdown(results: dict, proto) -> str:
     prov, meta, ws = results["protocol_provenance"], results["meta"], results["warm_start"]
     lines = [f"# A/B report: {proto.name}", "",
@@ -240,8 +250,7 @@ def markdown(results: dict, proto) -> str:
              f"{meta.get('finished', '')}; wall time {meta.get('wall_min', float('nan')):.1f} min on "
              f"{meta.get('machine', '')}.", "",
              f"Protocol: `{os.path.basename(prov.get('path', ''))}`, sha256 `{prov.get('sha256', '')[:16]}`, "
-             f"commit `{prov.get('commit')}`" + ("" if prov.get("committed_unchanged") else
-                                                  " (**not committed as run: exploratory**)") + ".", ""]
+             f"commit `{prov.get('commit')}`" + _protocol_status(prov) + ".", ""]
     code = meta.get("code") or {}
     lines += [f"Compute: **{proto.compute}** (trainer); code commit `{code.get('commit')}`"
               + (" (**dirty tree**: " + ", ".join(code.get("changed", [])[:5]) + ")" if code.get("dirty") else "")

@@ -507,3 +507,15 @@ def test_ab_stats_margin_adds_the_equivalence_test(tmp_path, capsys):
     assert "equivalent within ±0.01 (TOST p)" in out and "| yes (" in out
     with pytest.raises(SystemExit, match="--margin must be > 0"):
         faircast(["ab-stats", "--metric", "acc", "--margin", "0", *runs])
+
+
+def test_the_report_says_how_a_run_differs_from_its_committed_protocol():
+    from faircast_plugins.ab.report import _protocol_status
+
+    assert _protocol_status({"committed_unchanged": True}) == ""
+    # a declared stage (PROTOCOL-4's stage A is `--arms fp32-served,fp32-frozen`): the file is the committed one
+    stage = _protocol_status({"committed_unchanged": False, "file_committed_unchanged": True, "overrides": ["arms"]})
+    assert "committed unchanged" in stage and "overrides of arms" in stage and "declares this run" in stage
+    # an edited or uncommitted file
+    assert "not committed as run" in _protocol_status({"committed_unchanged": False, "overrides": ["arms"]})
+    assert "not committed as run" in _protocol_status({"committed_unchanged": False})

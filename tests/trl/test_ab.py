@@ -106,7 +106,8 @@ def _real_model_or_skip():
 
 def test_smollm2_smoke_preset_runs_the_real_model_on_word_problems(tmp_path):
     """`--preset smollm2-smoke`: the real pretrained model through the same harness (engine, readouts, audit) on the
-    word2 task. Structure only: every arm and seed, every readout, the metrics in range; never an outcome."""
+    word2z task after an SFT warm start (PROTOCOL-4's path). Structure only: the warm start's record, every arm and
+    seed, every readout, the metrics in range; never an outcome."""
     _real_model_or_skip()
     out = tmp_path / "ab"
     run = subprocess.run([sys.executable, "-m", "faircast_plugins.cli", "ab", "--preset", "smollm2-smoke", "--out",
@@ -115,7 +116,12 @@ def test_smollm2_smoke_preset_runs_the_real_model_on_word_problems(tmp_path):
     res = json.loads((out / "results.json").read_text())
     # one arm keeps CI's cost down (~2.5 min here): the toy smoke preset checks the paired structure
     assert res["failed_runs"] == [] and [r["arm"] for r in res["runs"]] == ["faircast"]
-    assert res["protocol"]["task"] == "word2"
+    assert res["protocol"]["task"] == "word2z"
+    ws = res["warm_start"]  # the SFT warm start: trained, saved by stochastic rounding, every readout recorded
+    assert ws["spec"]["steps"] == 1 and ws["spec"]["rounding"] == "stochastic" and len(ws["losses"]) == 1
+    for readout in ("heldout_base", "heldout_fp32", "heldout_nearest", "heldout_stochastic", "heldout_bf16"):
+        assert 0.0 <= ws[readout]["expected"] <= 1.0, readout
+    assert "saved in bf16 by stochastic rounding" in (out / "report.md").read_text()
     for r in res["runs"]:
         for m in ("served_expected", "master_expected", "rtn_expected", "sr_expected", "sticky_expected"):
             assert 0.0 <= r[m] <= 1.0, m

@@ -65,10 +65,15 @@ def hook(argv: list[str]) -> int:
     return 0
 
 
+from ..entry_points import TRL_ABOUT as ABOUT  # noqa: E402  (one text for the help with and without TRL)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["hook"]:
         return hook(argv[1:])
+    if any(a in ("-h", "--help") for a in argv[:1]):
+        print(f"faircast-trl: {ABOUT.splitlines()[0]} TRL's own help follows.\n")
     import faircast_plugins.trl  # noqa: F401  (config fields for the parent's parse, trainer patches)
 
     PatchSet("TRL CLI", "trl", SUPPORTED).wrap(LAUNCHER, _launch_through_faircast).apply(

@@ -63,12 +63,24 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def usage_error(command: str, message: str) -> int:
-    """One style for every subcommand: stderr, ``faircast <command>: error: ...``, exit 2 (argparse's code)."""
+class UsageExit(SystemExit):
+    """Exit status 2 (argparse's code for a usage error); ``str()`` is the message, already printed on stderr."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def usage_error(command: str, message: str) -> UsageExit:
+    """One style for every subcommand: stderr, ``faircast <command>: error: ...``, exit 2."""
     prefix = f"faircast {command}: "
     message = message[len(prefix):] if message.startswith(prefix) else message
-    print(f"{prefix}error: {message[len('error: '):] if message.startswith('error: ') else message}", file=sys.stderr)
-    return 2
+    message = message[len("error: "):] if message.startswith("error: ") else message
+    print(f"{prefix}error: {message}", file=sys.stderr)
+    return UsageExit(message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(_module(command), f"run_{_py(command)}")(args) or 0)
     except SystemExit as exc:  # a subcommand's refusal of its input: SystemExit("faircast <cmd>: ...")
         if isinstance(exc.code, str):
-            return usage_error(command, exc.code)
+            raise usage_error(command, exc.code) from None
         raise
 
 

@@ -1,6 +1,7 @@
 """faircast estimate (formerly faircast audit): one step from bf16 weights, nearest vs stochastic."""
 import json
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -31,6 +32,8 @@ def test_large_steps_survive_both_modes():
 
 
 def test_empty_checkpoint_is_a_clear_error(tmp_path, capsys):
-    assert cli.main(["estimate", "--checkpoint", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit, match="no model.safetensors") as exc:
+        cli.main(["estimate", "--checkpoint", str(tmp_path)])
     out = capsys.readouterr()
+    assert exc.value.code == 2
     assert out.out == "" and out.err.startswith("faircast estimate: error: ") and "no model.safetensors" in out.err

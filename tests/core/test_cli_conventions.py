@@ -35,8 +35,8 @@ def test_json_output_is_json_only(capsys):
 ])
 def test_usage_errors_exit_2_on_stderr_with_one_prefix(argv, message, capsys):
     try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse's own errors
+        code = cli.main(argv)  # export/verify return 2 themselves
+    except SystemExit as exc:  # argparse's errors, and the subcommands' refusals (UsageExit)
         code = exc.code
     out = capsys.readouterr()
     command = cli.DEPRECATED.get(argv[0], argv[0])

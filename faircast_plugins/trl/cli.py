@@ -65,7 +65,6 @@ def hook(argv: list[str]) -> int:
     return 0
 
 
-from ..entry_points import TRL_ABOUT as ABOUT  # noqa: E402  (one text for the help with and without TRL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["hook"]:
         return hook(argv[1:])
     if any(a in ("-h", "--help") for a in argv[:1]):
-        print(f"faircast-trl: {ABOUT.splitlines()[0]} TRL's own help follows.\n")
+        print("faircast-trl: TRL's `trl` command with Fair Cast loaded (the faircast fields: docs/trl.md); "
+              "`faircast-trl hook install|remove|status` makes plain `trl` accept them. TRL's own help follows.\n")
     import faircast_plugins.trl  # noqa: F401  (config fields for the parent's parse, trainer patches)
 
     PatchSet("TRL CLI", "trl", SUPPORTED).wrap(LAUNCHER, _launch_through_faircast).apply(

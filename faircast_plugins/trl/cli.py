@@ -65,8 +65,6 @@ def hook(argv: list[str]) -> int:
     return 0
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["hook"]:

@@ -375,7 +375,7 @@ def bits_section_checks() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# auto, stream, huge: what the review of the CUDA paths found untested (shared/notes/gpu-review.md)
+# auto, stream, huge: what the review of the CUDA paths found untested (the first GPU review, docs/gpu-paths.md)
 # ----------------------------------------------------------------------------------------------------------------
 
 REPO = os.path.join(HERE, "..")

@@ -97,6 +97,21 @@ def say(line: str = "") -> None:
     print(line, flush=True)
 
 
+def code_commit() -> dict:
+    """The code a result came from: ``git rev-parse HEAD`` of this checkout and whether its tree differs from it; where
+    the copy has no .git (a tree copied to the GPU machine), ``FAIRCAST_COMMIT`` as set by whoever copied it."""
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=60)
+        if head.returncode == 0:
+            return {"sha": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()), "from": "git"}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    given = os.environ.get("FAIRCAST_COMMIT")
+    return {"sha": given, "dirty": None, "from": "FAIRCAST_COMMIT" if given else "unknown (no .git, FAIRCAST_COMMIT unset)"}
+
+
 def environment() -> dict:
     """What this machine has: versions (and where each is imported from), the device, this checkout."""
     env = {"python": sys.version.split()[0], "executable": sys.executable, "repo": REPO, "versions": {}}
@@ -109,6 +124,7 @@ def environment() -> dict:
         env["versions"][dist] = {"version": version, "from": os.path.dirname(spec.origin) if spec and spec.origin else None}
     spec = importlib.util.find_spec("faircast_plugins")
     env["faircast_plugins"] = spec.origin if spec else None
+    env["commit"] = code_commit()
     import torch
 
     env["cuda"] = torch.cuda.is_available()

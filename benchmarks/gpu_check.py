@@ -375,7 +375,7 @@ def bits_section_checks() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# auto, stream, huge: what the review of the CUDA paths found untested (shared/notes/gpu-review.md)
+# auto, stream, huge: what the review of the CUDA paths found untested (the first GPU review, docs/gpu-paths.md)
 # ----------------------------------------------------------------------------------------------------------------
 
 REPO = os.path.join(HERE, "..")
@@ -459,8 +459,8 @@ def auto_section() -> None:
         return
     check_vs_cpu(f"auto on CUDA without triton ({rec['backend']})", rec["q"], cpu_ref(rec["x"], key=12345, offset=5)[0])
     check("auto on CUDA without triton (finding 7): the torch path", rec["backend"] == "torch", f"picked {rec['backend']!r}")
-    check("auto on CUDA without triton (finding 7): a warning names faircast-plugins[triton]",
-          any("faircast-plugins[triton]" in w for w in rec["warnings"]), "; ".join(rec["warnings"])[:300] or "none")
+    check("auto on CUDA without triton (finding 7): a warning names triton>=3.2",
+          any("triton>=3.2" in w for w in rec["warnings"]), "; ".join(rec["warnings"])[:300] or "none")
 
 
 def auto_casts() -> None:

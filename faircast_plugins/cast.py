@@ -276,8 +276,8 @@ def _auto_cuda_backend() -> str:
         _log_once(logging.WARNING,
                   f"Fair Cast: CUDA tensors are cast with the torch reference path (same bits, slower than the Triton "
                   f"kernel, with temporaries per tensor) because triton does not import "
-                  f"({_IMPORT_ERRORS.get('triton', 'unknown error')}); install faircast-plugins[triton] (a triton "
-                  f"matching your torch) or pass backend='torch' to silence this.")
+                  f"({_IMPORT_ERRORS.get('triton', 'unknown error')}); pip install 'triton>=3.2' (a "
+                  f"build matching your torch) or pass backend='torch' to silence this.")
         return "torch"
     if _kernel_module("triton").interpreting():
         _log_once(logging.WARNING,

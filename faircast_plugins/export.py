@@ -8,7 +8,7 @@ so it can be recomputed exactly from any checkpoint::
     export_served("ckpt/", "ckpt-served/", seed=1234, version=200)       # writes a bf16 HF checkpoint
     verify_served("ckpt/", "ckpt-served/").ok                              # re-derives and compares
 
-or ``faircast export --checkpoint ckpt/ --seed 1234 --version 200 --out ckpt-served/`` and
+or ``faircast export --checkpoint ckpt/ --seed 1234 --weight-version 200 --out ckpt-served/`` and
 ``faircast verify --checkpoint ckpt/ --served ckpt-served/``.
 
 What is written (mirroring the input's shard layout, one tensor at a time):
@@ -630,11 +630,12 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True, help="Hugging Face fp32 checkpoint directory (safetensors)")
     parser.add_argument("--out", required=True, help="output directory for the bf16 served copy (must not exist)")
     parser.add_argument("--seed", type=_u64, help="the run's Fair Cast seed")
-    parser.add_argument("--version", type=_version, help="weight version: optimizer steps the master had taken")
+    parser.add_argument("--weight-version", "--version", dest="version", type=_version,
+                        help="weight version: optimizer steps the master had taken (--version: the old spelling)")
     parser.add_argument("--mode", choices=MODES,
                         help="cast mode of the run (default: the state's, else stochastic)")
     parser.add_argument("--state", help=f"Fair Cast state file ({STATE_FILE}); required for error_feedback and EMA runs. "
-                                        f"Used by default when --seed/--version are omitted and the checkpoint has "
+                                        f"Used by default when --seed/--weight-version are omitted and the checkpoint has "
                                         f"one. A pattern with '*' (quoted) merges per-rank FSDP states "
                                         f"(faircast_state_rank*.pt, named in faircast.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

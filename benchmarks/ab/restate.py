@@ -1,4 +1,5 @@
-"""Recomputes, from the committed results.json files alone, every number the README's "Does it help?" and docs/ab.md
+"""Recomputes, from the committed results.json files alone, every number docs/evidence.md (the README's "Does it
+help?") and docs/ab.md
 print about the two pre-registered CPU runs, with the statistics that fit a few seeds (faircast_plugins/ab/stats.py:
 paired t primary, Holm over the comparisons listed here, MDE; sign test and bootstrap secondary with their limits).
 

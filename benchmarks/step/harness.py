@@ -16,7 +16,7 @@ at once in one process (one per rank), and hands them to :func:`run`, which
 * prints the table: ratios to flag off, bytes per parameter, each target met or missed.
 
 Drivers: ``benchmarks/step/<path>.py``; ``nox -s bench -- step [PATH]`` runs them (``--help``: options);
-``benchmarks/step/table.py`` makes the README table from their ``--json`` results.
+``benchmarks/step/table.py`` makes docs/performance.md's step table from their ``--json`` results.
 """
 from __future__ import annotations
 

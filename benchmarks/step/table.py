@@ -1,4 +1,4 @@
-"""The README's step table from the drivers' ``--json`` results: one column per run, one row per arm.
+"""docs/performance.md's step table from the drivers' ``--json`` results: one column per run, one row per arm.
 
     python benchmarks/step/table.py "TRL, one process=trl.json" "verl FSDP2 worker, 2 ranks=verl.json" ...
 

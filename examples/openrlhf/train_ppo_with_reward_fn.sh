@@ -8,7 +8,7 @@
 # Paths, models and datasets are upstream's (/openrlhf is an OpenRLHF checkout, as in its Docker image). Every
 # argument parses with openrlhf 0.11.2, the version Fair Cast supports.
 #
-#   pip install "faircast-plugins[openrlhf]"      # on every node of the Ray cluster, next to openrlhf 0.11.2
+#   pip install ".[openrlhf]"      # in a checkout of faircast-plugins (not on PyPI; or its wheel), on every node
 #
 # Other Fair Cast options: --faircast.seed N, --faircast.mode stochastic|sticky|error_feedback|nearest,
 # --faircast.ema_decay B, --faircast.audit (logs the faircast/* lag metrics). Without --faircast (or with

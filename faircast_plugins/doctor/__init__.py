@@ -123,9 +123,8 @@ def run_doctor(args) -> int:
     frameworks = args.frameworks or _installed_frameworks()
     unknown = sorted(f for f in set(frameworks) if not _checks_of(f))
     if unknown:
-        print(f"faircast doctor: unknown framework(s) {unknown}; known: {', '.join(FRAMEWORKS)} "
-              f"(checks: {', '.join(CHECKS)})")
-        return 2
+        raise SystemExit(f"faircast doctor: unknown framework(s) {', '.join(unknown)}; known: {', '.join(FRAMEWORKS)} "
+                         f"(checks: {', '.join(CHECKS)})")  # the CLI prints it as a usage error (exit 2)
     checks = list(dict.fromkeys(c for f in frameworks for c in _checks_of(f)))
     failed = skipped = 0
     for name in checks:

@@ -30,7 +30,7 @@ try:
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised only where triton is absent
     raise ImportError(
-        "faircast_plugins.kernels.triton_cast needs triton: pip install 'faircast-plugins[triton]'"
+        "faircast_plugins.kernels.triton_cast needs triton: pip install 'triton>=3.2' (a build matching your torch)"
     ) from exc
 
 MODE_IDS = {"stochastic": 0, "sticky": 0, "nearest": 1, "error_feedback": 2}  # sticky: stochastic, version-free key

@@ -88,6 +88,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     """Run OpenRLHF's PPO/GRPO Ray trainer with the ``--faircast`` flags added."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    from ..entry_points import explain_if_missing
+
+    explain_if_missing("python -m faircast_plugins.openrlhf.train_ppo_ray", "openrlhf", OPENRLHF_SPECIFIER,
+                       "OpenRLHF's `python -m openrlhf.cli.train_ppo_ray` with the --faircast flags added (same\n"
+                       "arguments); --faircast turns Fair Cast on, --faircast.audit logs the faircast/* metrics.",
+                       sys.argv[1:])
     cli = PatchSet("OpenRLHF", "openrlhf", OPENRLHF_SPECIFIER).wrap("argparse:ArgumentParser.parse_args", _wrap_parse_args)
     cli.apply(details="--faircast flags added to openrlhf.cli.train_ppo_ray")
     try:

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["hook"]:
         return hook(argv[1:])
+    if any(a in ("-h", "--help") for a in argv[:1]):
+        print("faircast-trl: TRL's `trl` command with Fair Cast loaded (the faircast fields: docs/trl.md); "
+              "`faircast-trl hook install|remove|status` makes plain `trl` accept them. TRL's own help follows.\n")
     import faircast_plugins.trl  # noqa: F401  (config fields for the parent's parse, trainer patches)
 
     PatchSet("TRL CLI", "trl", SUPPORTED).wrap(LAUNCHER, _launch_through_faircast).apply(

@@ -6,9 +6,12 @@ here, in the driver, before Ray starts.
 """
 from __future__ import annotations
 
-import hydra
+import sys
 
 from .config import read_faircast
+
+ABOUT = ("verl's `python -m verl.trainer.main_ppo` with a top-level `faircast=true` flag (same arguments, Hydra\n"
+         "overrides). Without this wrapper, `actor_rollout_ref.faircast: true` in your config does the same.")
 
 
 def run(config) -> None:
@@ -19,9 +22,13 @@ def run(config) -> None:
     verl_main.__wrapped__(config)
 
 
-@hydra.main(config_path="hydra_config", config_name="faircast_ppo_trainer", version_base=None)
-def main(config) -> None:
-    run(config)
+def main() -> None:
+    from ..entry_points import explain_if_missing
+
+    explain_if_missing("python -m faircast_plugins.verl.main_ppo", "verl", ">=0.9.1,<0.10", ABOUT, sys.argv[1:])
+    import hydra
+
+    hydra.main(config_path="hydra_config", config_name="faircast_ppo_trainer", version_base=None)(run)()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def test_parts_without_time_are_skipped_with_the_reason(tmp_path):
     skipped = {s["what"]: s["why"] for s in data["skipped"]}
     assert skipped["trl"] == "not selected (--parts)" and "fsdp2" in skipped
     assert data["env"]["versions"]["torch"]["version"] and data["env"]["faircast_plugins"]
+    assert len(data["env"]["commit"]["sha"]) == 40 and data["env"]["commit"]["from"] == "git"  # the code it ran
     assert "skipped  fsdp2: the time budget was spent" in proc.stdout
 
 

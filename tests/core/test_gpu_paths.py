@@ -210,6 +210,7 @@ def test_finding7_auto_on_cuda_warns_once_when_triton_does_not_import(monkeypatc
     chosen, warnings = _auto_cuda(monkeypatch, caplog, importable=False)
     assert chosen == ["torch", "torch"]
     assert len(warnings) == 1 and "triton does not import" in warnings[0] and "ImportError" in warnings[0]
+    assert "pip install 'triton>=3.2'" in warnings[0]  # a package that exists on PyPI, not this one's extra
     assert "backend='torch'" in warnings[0]  # how to silence it
     # negative control: triton imports (not interpreted): Triton, and nothing to warn about
     chosen, warnings = _auto_cuda(monkeypatch, caplog, importable=True)

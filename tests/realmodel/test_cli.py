@@ -1,6 +1,6 @@
 """The CLI on the real checkpoint after one real optimizer step: ``faircast export`` writes fair_cast of every fp32
 master bit for bit (the 28.3M-element embedding above 2**24 included) and ``faircast verify`` accepts it; the
-flag-off control (``--mode nearest``) writes round-to-nearest; ``faircast audit --checkpoint`` and the step audit
+flag-off control (``--mode nearest``) writes round-to-nearest; ``faircast estimate --checkpoint`` and the step audit
 (:class:`faircast_plugins.audit.Audit`) give finite metrics on the full embedding."""
 import json
 import math
@@ -82,9 +82,9 @@ def test_export_and_verify_write_fair_cast_of_every_master(stepped, tmp_path):
     assert not torch.equal(rtn[EMBED], served[EMBED])
 
 
-def test_audit_checkpoint_covers_the_whole_embedding(stepped):
+def test_estimate_checkpoint_covers_the_whole_embedding(stepped):
     ckpt, _, _ = stepped
-    run = faircast_cli("audit", "--checkpoint", str(ckpt), "--max-elements", str(1 << 25), "--json")
+    run = faircast_cli("estimate", "--checkpoint", str(ckpt), "--max-elements", str(1 << 25), "--json")
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])
     assert res["elements"] == 1 << 25 > 49152 * 576  # the embedding first (sorted names), then layer 0

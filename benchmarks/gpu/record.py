@@ -1,17 +1,139 @@
-"""The record that the device scripts (gpu_check.py, gpu_adapters.py) keep: named checks, sections, skips, errors.
+"""The one results format of benchmarks/gpu: every part's JSON and the run's merged JSON start with the same
+envelope (what code, when, with which versions, on which device), then their checks, sections, skips and errors.
 
-A run on a lent GPU must never lose what it did: the JSON file is rewritten after every section (each section's
-state: running, done, crashed, skipped), a crashed section does not take the next ones down (the device is
-synchronized and torch's cache emptied, errors recorded), and whatever did not run says why (``skipped``:
-what, and the reason). ``failed`` lists every failed check and crashed section.
+The envelope (``envelope()``; ``FORMAT`` 1):
+
+  format        1
+  program       what wrote it (``benchmarks.gpu`` for a whole run, ``benchmarks.gpu.kernel`` for one part, ...)
+  command       its command line
+  commit        ``git rev-parse HEAD`` of the checkout it ran from (in a copy without .git: ``FAIRCAST_COMMIT``)
+  dirty         whether tracked files differed from that commit (None where unknown)
+  commit_from   "git", "FAIRCAST_COMMIT" or "unknown"
+  time          when it started, UTC, ISO 8601
+  python        the interpreter's version and path
+  versions      {distribution: {"version", "from"}}: every library a part uses, and where it was imported from
+  faircast_plugins  the file the package was imported from (the checkout's, as the parts put it first on the path)
+  device        {"cuda", "name", "count", "capability", "cuda_runtime", "nccl"}: the machine's CUDA devices
+
+A part's record (``Report``) is rewritten after every section, so a run cut short keeps what it did: each
+section's state (running, done, crashed, skipped), ``checks``, ``skipped`` (what, and why), ``errors``, and
+``failed`` (every failed check and crashed section). A crashed section does not take the next ones down (the
+device is synchronized and torch's cache emptied, the error recorded).
+
+``load(path)`` reads any committed record, the first ones (2026-12-04, written before the envelope: format 0,
+the versions and device under ``env``, no commit) included, and returns it with the envelope filled in as far as
+the file tells it (a standalone script's flat ``device`` name goes into the envelope's ``device``).
 """
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 from typing import Callable, Iterable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FORMAT = 1
+# Every library a part imports (where it is installed), recorded with where it was imported from.
+DISTRIBUTIONS = ("torch", "triton", "numpy", "numba", "transformers", "accelerate", "peft", "huggingface_hub", "trl",
+                 "datasets", "pyarrow", "fsspec", "dill", "multiprocess", "deepspeed", "pydantic", "pydantic_core",
+                 "typing_extensions", "megatron-core", "megatron-bridge", "verl")
+ENVELOPE = ("format", "program", "command", "commit", "dirty", "commit_from", "time", "python", "versions",
+            "faircast_plugins", "device")
+
+
+def code_commit() -> dict:
+    """The code a result came from: ``git rev-parse HEAD`` of this checkout and whether its tracked files differ from
+    it; where the copy has no .git (a tree copied to another machine), ``FAIRCAST_COMMIT`` as set by whoever copied
+    it."""
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=60)
+        if head.returncode == 0:
+            return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()), "commit_from": "git"}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    given = os.environ.get("FAIRCAST_COMMIT")
+    return {"commit": given or None, "dirty": None,
+            "commit_from": "FAIRCAST_COMMIT" if given else "unknown (no .git, FAIRCAST_COMMIT unset)"}
+
+
+def _versions() -> dict:
+    out = {}
+    for dist in DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        module = dist.split("-")[0].replace("-", "_")  # megatron-core, megatron-bridge: the megatron package
+        try:
+            spec = importlib.util.find_spec(module) if version else None
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec and spec.origin else (list(spec.submodule_search_locations or [None])[0]
+                                                           if spec else None)
+        out[dist] = {"version": version, "from": os.path.dirname(origin) if origin and origin.endswith(".py") else origin}
+    return out
+
+
+def _device() -> dict:
+    import torch
+
+    device = {"cuda": torch.cuda.is_available(), "name": None, "count": 0}
+    if device["cuda"]:
+        device.update(name=torch.cuda.get_device_name(0), count=torch.cuda.device_count(),
+                      capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                      cuda_runtime=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return device
+
+
+def envelope(program: Optional[str] = None) -> dict:
+    """The head of every record: the code (commit, dirty), the time, the versions and the device."""
+    spec = importlib.util.find_spec("faircast_plugins")
+    program = program or _program()
+    command = " ".join([f"python -m {program}" if "/" not in program else program, *sys.argv[1:]])
+    return {"format": FORMAT, "program": program, "command": command,
+            **code_commit(),
+            "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "python": {"version": sys.version.split()[0], "executable": sys.executable},
+            "versions": _versions(), "faircast_plugins": spec.origin if spec else None, "device": _device()}
+
+
+def _program() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None and spec.name else os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+
+
+def load(path: str) -> dict:
+    """A committed record with its envelope filled in. Format 0 (the 2026-12-04 runs): the versions and the device
+    under ``env`` (the run's JSON) or two flat keys ``device`` and ``torch`` (a standalone script's), no commit and no
+    time (the results folder's README names each run's commit)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if data.get("format") == FORMAT:
+        return data
+    env = data.get("env") if isinstance(data.get("env"), dict) else {}
+    if "versions" in env:
+        device = {"cuda": bool(env.get("cuda")), "name": env.get("device"), "count": int(env.get("devices") or 0)}
+        device.update({k: env[k] for k in ("capability", "cuda_runtime", "nccl") if k in env})
+        python = {"version": env.get("python"), "executable": env.get("executable")}
+        versions, package = env["versions"], env.get("faircast_plugins")
+    else:  # a standalone script's record: the device's name and torch's version only
+        name = data.get("device") if isinstance(data.get("device"), str) else None
+        device = {"cuda": bool(name and name != "cpu"), "name": name, "count": 1 if name and name != "cpu" else 0}
+        python, package = None, None
+        versions = {"torch": {"version": data["torch"], "from": None}} if isinstance(data.get("torch"), str) else {}
+    head = {"format": 0, "program": None, "command": None, "commit": None, "dirty": None,
+            "commit_from": "not recorded (format 0: see the results folder's README)", "time": None,
+            "python": python, "versions": versions, "faircast_plugins": package, "device": device}
+    return {**head, **{k: v for k, v in data.items() if k not in head}}
 
 
 class Skip(Exception):
@@ -31,7 +153,7 @@ class Report:
         self.deadline_s = deadline_s
         self.verbose = verbose
         self.failed: list = []
-        self.results: dict = {"sections": {}, "checks": [], "skipped": [], "errors": [], "seconds": {},
+        self.results: dict = {**envelope(), "sections": {}, "checks": [], "skipped": [], "errors": [], "seconds": {},
                               "failed": self.failed}
 
     def time_left(self) -> float:

@@ -1,4 +1,4 @@
-"""The GPU run's parts kernel, export and perf: the Triton Fair Cast kernel's bits against the torch reference, then speed.
+"""The GPU run's parts kernel, export and perf: the Triton kernel's bits against the torch reference, then speed.
 
 ``python -m benchmarks.gpu`` runs these sections as three parts (with the adapters') within one time budget; this
 module alone, from the repository root, with the python that has torch and triton (no install needed: the

@@ -10,10 +10,11 @@ Sections:
             Qwen-sized embedding, 622M elements, above 2**24) on CUDA: the sampled positions end at ``numel - 1``
             (the float32 linspace of before ran past the end: a device-side assert), the positions computed on the
             device equal those on the host, and the metrics are finite.
-  fp8quant  finding 3: verl's Triton fp8 quantizer (``verl/utils/kernel/fp8_kernel.py`` of an installed
-            verl, ``pip install --no-deps verl==0.9.1``, loaded as a file: verl's package imports are not needed) against Fair Cast's fp8 copy
-            (``faircast_plugins.fp8.quantize_blockwise``) and verl's PyTorch path, descale bits and fp8 bytes, on
-            blocks whose amax is every positive normal bf16 value, and on a random 4096 x 14336 weight.
+  fp8quant  finding 3: verl's Triton fp8 quantizer (``verl/utils/kernel/fp8_kernel.py`` of an installed verl,
+            ``pip install --no-deps verl==0.9.1``, loaded as a file: verl's package imports are not needed) against
+            Fair Cast's fp8 copy (``faircast_plugins.fp8.quantize_blockwise``) and verl's PyTorch path, descale
+            bits and fp8 bytes, on blocks whose amax is every positive normal bf16 value, and on a random 4096 x
+            14336 weight.
   fp8loss   finding 2: ``fp8_loss`` on one 4096 x 14336 linear (a 7B MLP's down projection), forward + backward
             over 8192 tokens, with and without activation checkpointing, against the same layer in plain bf16:
             time (CUDA events) and peak memory above the start.

@@ -78,7 +78,8 @@ def _versions() -> dict:
             spec = None
         origin = spec.origin if spec and spec.origin else (list(spec.submodule_search_locations or [None])[0]
                                                            if spec else None)
-        out[dist] = {"version": version, "from": os.path.dirname(origin) if origin and origin.endswith(".py") else origin}
+        where = os.path.dirname(origin) if origin and origin.endswith(".py") else origin
+        out[dist] = {"version": version, "from": where}
     return out
 
 

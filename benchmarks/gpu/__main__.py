@@ -75,10 +75,9 @@ PARTS = (
     Part("export", "kernel", ("--only", "export"), ("triton",), 120),
     Part("perf", "kernel", ("--only", "regs,speed,tiles"), ("triton",), None),
 )
-# What to install where a module is missing (from PyPI; the versions the committed runs used).
-INSTALL = {"triton": "pip install 'triton>=3.2'", "megatron.core": "pip install megatron-core==0.16.1",
-           "deepspeed": "pip install deepspeed==0.19.6", "trl": "pip install trl==1.16.0",
-           "datasets": "pip install trl==1.16.0"}
+# What to install from PyPI where a module is missing (the versions the committed runs used).
+INSTALL = {"triton": "triton>=3.2", "megatron.core": "megatron-core==0.16.1", "deepspeed": "deepspeed==0.19.6",
+           "trl": "trl==1.16.0", "datasets": "trl==1.16.0"}
 # The adapters' frameworks print progress bars and log dicts on stdout: only the report's own lines reach the
 # console (everything is in the log).
 REPORT_LINE = re.compile(r"^(==|  \S|benchmarks\.gpu)")
@@ -109,7 +108,7 @@ def missing(part: Part) -> str | None:
     """Why ``part`` cannot run in this environment, or None."""
     gone = [m for m in part.needs if not installed(m)]
     if gone:
-        return "; ".join(f"{m} is not installed here ({INSTALL[m]})" for m in gone)
+        return "; ".join(f"{m} is not installed here (pip install '{INSTALL[m]}')" for m in gone)
     return None
 
 

@@ -61,7 +61,7 @@ if [ -n "$PY312" ] && "$PY312" -m pip --version >/dev/null 2>&1; then
   target=$(mktemp -d)
   "$PY312" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$DEST"/*.whl
   rm -rf "$target"
-  echo "wheels.sh: the README's pip install line installs them under $("$PY312" --version)"
+  echo "wheels.sh: the README's install line installs them under $("$PY312" --version)"
 fi
 
 wheels=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)

@@ -5,8 +5,8 @@
 
 Triton's own compiler builds each (mode, ROWS, num_warps) variant for the target, and the cuobjdump that ships with
 Triton reads the cubin's resource usage (REG, STACK, LOCAL: spilled bytes live in local memory). This is what
-picked ``DEFAULT_ROWS`` / ``DEFAULT_NUM_WARPS`` (docs/kernels.md); ``gpu_check.py`` records the same table on the
-device it runs on. Needs triton >= 3.3 (the ``ASTSource(constexprs=...)`` API).
+picked ``DEFAULT_ROWS`` / ``DEFAULT_NUM_WARPS`` (docs/kernels.md); ``benchmarks/gpu/kernel.py`` records the same
+table on the GPU it runs on. Needs triton >= 3.3 (the ``ASTSource(constexprs=...)`` API).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ descale`` (:func:`descale_triton`, ``scales="verl-triton"``), whose descale diff
 kernel's 1e-10 floor (31.2%, both computed by torch on the CPU; below the floor they differ by more). ``scales="verl-triton"`` emulates it with
 correctly rounded division; Triton's fp32 ``/`` on NVIDIA GPUs is ``div.full.f32`` (not correctly rounded), so the
 emulation is exact only where that division is: the verl adapter does not rely on it and calls verl's own
-quantizer (``faircast_plugins/verl/fp8.py``); benchmarks/gpu_check compares the two on a GPU.
+quantizer (``faircast_plugins/verl/fp8.py``); benchmarks/gpu/real_sizes.py compares the two on a GPU.
 
 ``scales="pow2"`` is NOT verl's quantizer: it is this package's emulation of a power-of-two (E8M0 / UE8M0-style)
 block descale, ``descale = 2 ** ceil(log2(amax / 448))`` (so nothing clips), labelled as such wherever it is

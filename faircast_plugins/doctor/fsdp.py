@@ -23,7 +23,7 @@ def sharded_forwards(device: str = "cpu", *, faircast: bool = True) -> List[tupl
     """Two SGD steps of the tiny model under ``fully_shard`` (bf16 compute copy) on ``device``, in the caller's process
     group, with its parameters registered with a caster when ``faircast``: (name, weight the forward computes with,
     its sharded fp32 master, weight version) for every parameter read in the forwards. Also run on CUDA by
-    benchmarks/gpu_adapters.py (flag off: its control)."""
+    benchmarks/gpu/adapters.py (flag off: its control)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -324,7 +324,7 @@ def prepare(items: Sequence, mode: str, *, rows: Optional[int] = None,
     def launch() -> None:
         launch.compiled = _launch(kernel, (total,), meta[len(starts):], meta[: len(starts)], **meta_args)
 
-    launch.compiled = None  # after a call on a GPU: the compiled variant (gpu_check reads its registers and spills)
+    launch.compiled = None  # after a call on a GPU: the compiled variant (benchmarks/gpu/kernel.py reads its registers)
 
     launch.items = items  # keeps alive the tensors whose raw pointers are in the table
     return launch

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py --cpu-smoke: the GPU check's bits, auto, stream, paths, huge and regs sections run on CPU
+"""python -m benchmarks.gpu.kernel --cpu-smoke: the GPU run's kernel part's bits, auto, stream, paths, huge and regs sections run on CPU
 (Triton interpreter, and the real compiler for sm_90), leave their JSON behind section by section, and say what
 needs CUDA and was skipped."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def test_cpu_smoke_bits_gaps_and_regs(tmp_path):
-    out = tmp_path / "gpu_check.json"
+    out = tmp_path / "kernel.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it itself
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--skip", "export,speed,tiles",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernel", "--cpu-smoke", "--skip", "export,speed,tiles",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     data = json.loads(out.read_text())
     assert data["sections"] == {"bits": "done", "auto": "done", "stream": "done", "paths": "done", "master16": "done",

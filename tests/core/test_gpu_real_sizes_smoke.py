@@ -1,4 +1,4 @@
-"""benchmarks/gpu_real_sizes.py --cpu-smoke: issue 29's device checks run on the CPU at tiny sizes (structure only),
+"""python -m benchmarks.gpu.real_sizes --cpu-smoke: issue 29's device checks run on the CPU at tiny sizes (structure only),
 leave their JSON behind, and say what needs CUDA and was skipped."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 def test_cpu_smoke(tmp_path):
     out = tmp_path / "real_sizes.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_real_sizes.py", "--cpu-smoke", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.real_sizes", "--cpu-smoke", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     tail = proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -27,7 +27,7 @@ def test_cpu_smoke(tmp_path):
 
 def test_every_bf16_amax_blocks():
     """The fp8 check's input: one 128x128 block per positive normal bf16 value, that value the block's amax."""
-    code = ("import sys; sys.argv = ['x', '--cpu-smoke']; sys.path.insert(0, 'benchmarks'); import gpu_real_sizes as g;"
+    code = ("import sys; sys.argv = ['x', '--cpu-smoke']; import benchmarks.gpu.real_sizes as g;"
             "m = g.every_bf16_amax(); a = m.float().abs().reshape(256, 128, 127, 128).amax(dim=(1, 3));"
             "print(a.unique().numel(), int((a > 0).sum()), tuple(m.shape))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Every install command a user is shown (README, docs, examples, runtime messages) installs something that exists:
+"""Every install command a user is shown (README, docs, examples, the GPU checks, runtime messages) installs something that exists:
 a checkout or a wheel of this package (it is not on PyPI), or a PyPI package the project pins or depends on."""
 import glob
 import os
@@ -24,6 +24,7 @@ def user_facing_files(root=ROOT):
     files = ["README.md"] + glob.glob("docs/*.md", root_dir=root) + glob.glob("examples/**/*", root_dir=root,
                                                                             recursive=True)
     files += glob.glob("faircast_plugins/**/*.py", root_dir=root, recursive=True)
+    files += glob.glob("benchmarks/gpu/*", root_dir=root)  # the GPU checks a user runs on their own GPU
     return sorted(f for f in files if os.path.isfile(os.path.join(root, f)))
 
 

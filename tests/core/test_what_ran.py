@@ -15,7 +15,7 @@ def copy(tmp_path):
     """The pages, the matrix, the results and the noxfile, in a temporary tree to plant mistakes in."""
     dst = tmp_path / "repo"
     shutil.copytree(os.path.join(ROOT, "docs"), dst / "docs", ignore=shutil.ignore_patterns("ab"))
-    shutil.copytree(os.path.join(ROOT, "benchmarks", "gpu_results"), dst / "benchmarks" / "gpu_results")
+    shutil.copytree(os.path.join(ROOT, "benchmarks", "gpu", "results"), dst / "benchmarks" / "gpu" / "results")
     for f in ("README.md", "noxfile.py"):
         shutil.copy(os.path.join(ROOT, f), dst / f)
     return str(dst)
@@ -69,7 +69,7 @@ def test_a_matrix_cell_that_disagrees_with_the_results_fails(copy):
     assert any("12/13" in p for p in check_matrix(copy))
     _replace(copy, "docs/what-ran.md", "run3 `megatron` 12/13 (megatron-core 0.16.1)", "")
     _replace(copy, "docs/what-ran.md", "**ran** 2026-12-04: ", "not run ", )
-    assert any("ran on a GPU (benchmarks/gpu_results) but the cell says" in p for p in check_matrix(copy))
+    assert any("ran on a GPU (benchmarks/gpu/results) but the cell says" in p for p in check_matrix(copy))
 
 
 def test_a_version_the_noxfile_does_not_pin_fails(copy):

@@ -2,7 +2,7 @@
 
 ``check(root)`` returns a list of problems (empty: all agree). Rules:
 
-1. Every "one GPU" cell that cites ``runN `part` P/T`` names a committed run (benchmarks/gpu_results/<date>-*/runN-*.json
+1. Every "one GPU" cell that cites ``runN `part` P/T`` names a committed run (benchmarks/gpu/results/<date>-*/runN-*.json
    with that date) whose part finished with T checks and T - P failures; a row whose results key has a finished,
    failure-free part in any run must say **ran**; a row without evidence must not.
 2. "more than one GPU" cells say "ran" only if a committed run saw more than one device.
@@ -15,12 +15,16 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
+import sys
 from typing import Dict, List, Set, Tuple
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.gpu.record import load  # noqa: E402 - the reader of every committed GPU result, old ones included
+
 MATRIX = "docs/what-ran.md"
+RESULTS = "benchmarks/gpu/results"
 
 # Names a page uses for the path each results key covers (rule 4).
 ALIASES: Dict[str, Tuple[str, ...]] = {
@@ -59,12 +63,11 @@ def gpu_evidence(root: str) -> Tuple[Dict[Tuple[str, int, str], Tuple[int, int]]
     runs: Dict[Tuple[str, int, str], Tuple[int, int]] = {}
     clean: Set[str] = set()
     devices = 0
-    for path in sorted(glob.glob(os.path.join(root, "benchmarks/gpu_results/*/run*.json"))):
+    for path in sorted(glob.glob(os.path.join(root, RESULTS, "*/run*.json"))):
         date = os.path.basename(os.path.dirname(path))[:10]
         m = re.match(r"run(\d+)-", os.path.basename(path))
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        devices = max(devices, int((data.get("env") or {}).get("devices") or 0))
+        data = load(path)
+        devices = max(devices, int(data["device"].get("count") or 0))
         for part, rec in (data.get("parts") or {}).items():
             res = rec.get("result") or {}
             if rec.get("status") != "done" or not isinstance(res.get("checks"), list):
@@ -104,7 +107,7 @@ def check_matrix(root: str) -> List[str]:
                 problems.append(f"{MATRIX}: {name}: run{run} `{part}` {passed}/{total} on {dates[:1]}, but the "
                                 f"committed results say {got}")
         if key and key in clean and not _says_ran(one):
-            problems.append(f"{MATRIX}: {name}: `{key}` ran on a GPU (benchmarks/gpu_results) but the cell says: {one}")
+            problems.append(f"{MATRIX}: {name}: `{key}` ran on a GPU ({RESULTS}) but the cell says: {one}")
         if _says_ran(one) and (not key or key not in clean):
             problems.append(f"{MATRIX}: {name}: says ran on a GPU, but no committed run has a clean `{key}` part")
         if _says_ran(multi) and devices < 2:
@@ -149,7 +152,7 @@ def check_pages(root: str) -> List[str]:
                                              for a in ALIASES.get(k, ()))]  # the path is the negation's subject
             if named:
                 problems.append(f"{rel}: says a path did not run on a GPU, but {named} ran "
-                                f"(benchmarks/gpu_results): {s[:160]!r}")
+                                f"({RESULTS}): {s[:160]!r}")
     return problems
 
 

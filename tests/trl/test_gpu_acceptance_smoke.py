@@ -1,5 +1,5 @@
-"""benchmarks/gpu_acceptance.py --cpu-smoke: the device run's adapter parts, each in its own process as on the
-device, on the CPU with gloo: FSDP2's cast site, DeepSpeed ZeRO-2 and ZeRO-3, and a TRL GRPO run, each with Fair
+"""python -m benchmarks.gpu --cpu-smoke: the GPU run's adapter parts, each in its own process as on the GPU, on
+the CPU with gloo: FSDP2's cast site, DeepSpeed ZeRO-2 and ZeRO-3, and a TRL GRPO run, each with Fair
 Cast on (== fair_cast(master), != round-to-nearest) and flag off (== round-to-nearest, != fair_cast(master)).
 The kernel parts are tests/core/test_gpu_check_smoke.py's (this session has no triton)."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ ADAPTERS = {"fsdp2": ["FSDP2 forward weights"],
 
 
 def test_adapter_parts_match_fair_cast_and_their_flag_off_controls(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_acceptance.py", "--cpu-smoke", "--parts", ",".join(ADAPTERS),
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
-    data = json.loads((tmp_path / "gpu_acceptance.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--cpu-smoke", *ADAPTERS, "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    data = json.loads((tmp_path / "run.json").read_text())
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0 and data["finished"] and not data["failed"], tail
     assert {s["what"] for s in data["skipped"]} == {"kernel", "realsize", "megatron", "export", "perf"}, data["skipped"]
@@ -37,4 +37,6 @@ def test_adapter_parts_match_fair_cast_and_their_flag_off_controls(tmp_path):
             (off,) = [v for k, v in tallies.items() if k.startswith(label) and k.endswith("flag off")]
             assert off["elements"] == on["elements"]
             assert off["differ_from_nearest"] == 0 and off["differ_from_fair_cast"] > 0, (label, off)
-    assert "gloo" in data["parts"]["fsdp2"]["result"]["env"]["backend"]
+    fsdp2 = data["parts"]["fsdp2"]["result"]
+    assert fsdp2["process_group"]["backend"] == "gloo"
+    assert fsdp2["program"] == "benchmarks.gpu.adapters" and fsdp2["commit"] == data["commit"]  # each part's envelope

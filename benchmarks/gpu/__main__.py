@@ -1,34 +1,35 @@
-"""The one device run: Fair Cast's CUDA paths, kernel and adapters, in one command under 8 minutes on one H200.
+"""Fair Cast's CUDA paths, kernel and adapters, on one GPU, in one command: ``python -m benchmarks.gpu [PART ...]``.
 
-Prepare here, once (network needed): ``bash benchmarks/gpu_wheels.sh`` fills the ignored ``.whl/`` with TRL 1.16.0,
-DeepSpeed 0.19.6 (built with no ops) and what the device image lacks for them (~7 MB). Then ONE ``run`` call of
-the device tool, with ``carry: [".whl"]`` and ``timeout_s: 480``, this command:
+From the repository root (what each part needs installed, how long it takes and what it prints:
+benchmarks/gpu/README.md):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 benchmarks/gpu_acceptance.py --out $OUT
+    python3 -m benchmarks.gpu --out out/gpu                 # every part, at most --budget-s (420 s)
+    python3 -m benchmarks.gpu kernel export --out out/gpu   # some parts
+    python3 -m benchmarks.gpu --list                        # the parts, what each needs, its cap
 
-It writes ``$OUT/gpu_acceptance.json`` (rewritten every few seconds and after every part: a run cut short keeps
-what it did) and ``$OUT/gpu_acceptance.log`` (every line of every part), and prints the parts' tables and a
-summary: what passed, what failed, what was skipped and why. Exit status 1 on any failed check or crashed part.
-A rerun of some parts: ``--parts trl,export --budget-s 200``.
+It writes ``<out>/run.json`` (rewritten every few seconds and after every part: a run cut short keeps what it did;
+the envelope of benchmarks/gpu/record.py, then every part's own record) and ``<out>/run.log`` (every line of every
+part), and prints the parts' tables and a summary: what passed, what failed, what was skipped and why. Exit status 1
+on any failed check or crashed part.
 
 Parts, in this order (correctness first, the kernel's speed last), each in its own process (a CUDA fault or a
 framework's process-wide patch stays in it), each under its own cap and the whole under ``--budget-s``:
 
-  kernel     gpu_check.py bits, auto, stream, paths, master16, huge: the Triton kernel's bits against the CPU
-             reference, backend "auto" on CUDA (findings 7, 11), a non-default stream, the fixes of docs/gpu-paths.md
-             (DTensor refused, audit without host syncs, cast_many over two devices), TRL's 2 B masters (Triton
-             compaction and recovery, bit-exact, and their cost per step), the aligned branch and error feedback
-             above 2**31 elements
-  realsize   gpu_real_sizes.py: issue 29's real-size checks: the audit of a 151936 x 4096 master, verl's Triton fp8
-             quantizer against Fair Cast's fp8 copy (the verl wheel's fp8_kernel.py), fp8_loss time and memory on one
-             4096 x 14336 layer with and without checkpointing, an uneven FSDP2 shard through verl's offload
-  megatron   gpu_megatron.py: tests/megatron/worker.py on CUDA with NCCL (one rank): distributed and Float16
+  kernel     kernel.py bits, auto, stream, paths, master16, huge: the Triton kernel's bits against the CPU
+             reference, backend "auto" on CUDA, a non-default stream, the fixes of docs/gpu-paths.md (DTensor
+             refused, audit without host syncs, cast_many over two devices), TRL's 2 B masters (Triton compaction
+             and recovery, bit-exact, and their cost per step), the aligned branch and error feedback above 2**31
+             elements
+  realsize   real_sizes.py: the audit of a 151936 x 4096 master, verl's Triton fp8 quantizer against Fair Cast's
+             fp8 copy (verl's fp8_kernel.py), fp8_loss time and memory on one 4096 x 14336 layer with and without
+             checkpointing, an uneven FSDP2 shard through verl's offload
+  megatron   megatron_worker.py: tests/megatron/worker.py on CUDA with NCCL (one rank): distributed and Float16
              optimizers against their stock controls, resume bit for bit, a skipped step, refusals
-  fsdp2      gpu_adapters.py fsdp2: FSDP2's cast site, NCCL, world size 1, against its flag-off control
-  deepspeed  gpu_adapters.py zero2, zero3: DeepSpeed's copy-back, NCCL, world size 1, against flag off
-  trl        gpu_adapters.py trl: a TRL GRPO run without vLLM (accelerate over NCCL), against flag off
-  export     gpu_check.py export: the Qwen3-1.7B-shaped export against the 3 ms target
-  perf       gpu_check.py regs, speed, tiles: registers and spills, GB/s, the tile sweep (the rest of the budget)
+  fsdp2      adapters.py fsdp2: FSDP2's cast site, NCCL, world size 1, against its flag-off control
+  deepspeed  adapters.py zero2, zero3: DeepSpeed's copy-back, NCCL, world size 1, against flag off
+  trl        adapters.py trl: a TRL GRPO run without vLLM (accelerate over NCCL), against flag off
+  export     kernel.py export: the Qwen3-1.7B-shaped export against the 3 ms target
+  perf       kernel.py regs, speed, tiles: registers and spills, GB/s, the tile sweep (the rest of the budget)
 
 ``--cpu-smoke`` runs the same parts on the CPU (tiny sizes, gloo, the Triton interpreter), skipping what needs
 CUDA with the reason: tests/trl/test_gpu_acceptance_smoke.py runs it in CI.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -50,96 +50,65 @@ import threading
 import time
 from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.abspath(os.path.join(HERE, ".."))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)  # the checkout's faircast_plugins, as the parts import it (their PYTHONPATH starts here)
-WHEELS = "on the device it travels as a wheel: bash benchmarks/gpu_wheels.sh, then carry .whl"
+
+from benchmarks.gpu.record import envelope  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Part:
     name: str
-    script: str
+    module: str  # benchmarks.gpu.<module>
     args: tuple
     needs: tuple = ()  # modules it imports beyond torch
-    cap_s: float | None = None  # at most this long on the device (None: what is left of the budget)
+    cap_s: float | None = None  # at most this long on the GPU (None: what is left of the budget)
 
 
 PARTS = (
-    Part("kernel", "gpu_check.py", ("--only", "bits,auto,stream,paths,master16,huge"), ("triton",), 180),
-    Part("realsize", "gpu_real_sizes.py", (), (), 120),
-    Part("megatron", "gpu_megatron.py", (), ("megatron",), 90),
-    Part("fsdp2", "gpu_adapters.py", ("--only", "fsdp2"), (), 90),
-    Part("deepspeed", "gpu_adapters.py", ("--only", "zero2,zero3"), ("deepspeed", "pydantic"), 150),
-    Part("trl", "gpu_adapters.py", ("--only", "trl"), ("trl", "datasets"), 150),
-    Part("export", "gpu_check.py", ("--only", "export"), ("triton",), 120),
-    Part("perf", "gpu_check.py", ("--only", "regs,speed,tiles"), ("triton",), None),
+    Part("kernel", "kernel", ("--only", "bits,auto,stream,paths,master16,huge"), ("triton",), 180),
+    Part("realsize", "real_sizes", (), (), 120),
+    Part("megatron", "megatron_worker", (), ("megatron.core",), 90),
+    Part("fsdp2", "adapters", ("--only", "fsdp2"), (), 90),
+    Part("deepspeed", "adapters", ("--only", "zero2,zero3"), ("deepspeed",), 150),
+    Part("trl", "adapters", ("--only", "trl"), ("trl", "datasets"), 150),
+    Part("export", "kernel", ("--only", "export"), ("triton",), 120),
+    Part("perf", "kernel", ("--only", "regs,speed,tiles"), ("triton",), None),
 )
-# What to do where a module is missing: triton is in the device image; the others travel as wheels.
-INSTALL = {"triton": "pip install triton (the device image has it)"}
+# What to install from PyPI where a module is missing (the versions the committed runs used).
+INSTALL = {"triton": "triton>=3.2", "megatron.core": "megatron-core==0.16.1", "deepspeed": "deepspeed==0.19.6",
+           "trl": "trl==1.16.0", "datasets": "trl==1.16.0"}
 # The adapters' frameworks print progress bars and log dicts on stdout: only the report's own lines reach the
 # console (everything is in the log).
-REPORT_LINE = re.compile(r"^(==|  \S|gpu_)")
+REPORT_LINE = re.compile(r"^(==|  \S|benchmarks\.gpu)")
 MIN_PART_S = 20  # a part is not started with less time than this left
-DISTRIBUTIONS = ("torch", "triton", "numpy", "numba", "transformers", "accelerate", "peft", "huggingface_hub", "trl",
-                 "datasets", "pyarrow", "fsspec", "dill", "multiprocess", "deepspeed", "pydantic", "pydantic_core",
-                 "typing_extensions")
 
-_ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-_ARGS.add_argument("--out", default="out/gpu_acceptance", help="folder for gpu_acceptance.json and .log")
+_ARGS = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+_ARGS.add_argument("parts", nargs="*", metavar="PART",
+                   help=f"parts to run, in the fixed order (default all): {' '.join(p.name for p in PARTS)}")
+_ARGS.add_argument("--out", default="out/gpu", help="folder for run.json and run.log (default out/gpu)")
 _ARGS.add_argument("--budget-s", type=float, default=None,
-                   help="seconds for all parts together (default 420 on the device, 1800 under --cpu-smoke)")
-_ARGS.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated parts to run")
-_ARGS.add_argument("--cpu-smoke", action="store_true", help="the same parts on the CPU (how CI runs this script)")
+                   help="seconds for all parts together (default 420 on a GPU, 1800 under --cpu-smoke)")
+_ARGS.add_argument("--cpu-smoke", action="store_true", help="the same parts on the CPU (how CI runs this)")
+_ARGS.add_argument("--list", action="store_true", help="print the parts, what each needs and its cap, and exit")
 
 
 def say(line: str = "") -> None:
     print(line, flush=True)
 
 
-def code_commit() -> dict:
-    """The code a result came from: ``git rev-parse HEAD`` of this checkout and whether its tree differs from it; where
-    the copy has no .git (a tree copied to the GPU machine), ``FAIRCAST_COMMIT`` as set by whoever copied it."""
+def installed(module: str) -> bool:
     try:
-        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=60)
-        if head.returncode == 0:
-            return {"sha": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()), "from": "git"}
-    except (OSError, subprocess.SubprocessError):
-        pass
-    given = os.environ.get("FAIRCAST_COMMIT")
-    return {"sha": given, "dirty": None, "from": "FAIRCAST_COMMIT" if given else "unknown (no .git, FAIRCAST_COMMIT unset)"}
-
-
-def environment() -> dict:
-    """What this machine has: versions (and where each is imported from), the device, this checkout."""
-    env = {"python": sys.version.split()[0], "executable": sys.executable, "repo": REPO, "versions": {}}
-    for dist in DISTRIBUTIONS:
-        try:
-            version = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        spec = importlib.util.find_spec(dist) if version else None
-        env["versions"][dist] = {"version": version, "from": os.path.dirname(spec.origin) if spec and spec.origin else None}
-    spec = importlib.util.find_spec("faircast_plugins")
-    env["faircast_plugins"] = spec.origin if spec else None
-    env["commit"] = code_commit()
-    import torch
-
-    env["cuda"] = torch.cuda.is_available()
-    if env["cuda"]:
-        env.update(device=torch.cuda.get_device_name(0), devices=torch.cuda.device_count(),
-                   capability=".".join(map(str, torch.cuda.get_device_capability(0))), cuda_runtime=torch.version.cuda,
-                   nccl=".".join(map(str, torch.cuda.nccl.version())))
-    return env
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is not there
+        return False
 
 
 def missing(part: Part) -> str | None:
     """Why ``part`` cannot run in this environment, or None."""
-    gone = [m for m in part.needs if importlib.util.find_spec(m) is None]
+    gone = [m for m in part.needs if not installed(m)]
     if gone:
-        return "; ".join(f"{m} is not installed here ({INSTALL.get(m, WHEELS)})" for m in gone)
+        return "; ".join(f"{m} is not installed here (pip install '{INSTALL[m]}')" for m in gone)
     return None
 
 
@@ -152,18 +121,18 @@ def die_with_parent() -> None:
 
 
 class Run:
-    """The merged record of every part, written to ``<out>/gpu_acceptance.json`` while the parts run."""
+    """The merged record of every part, written to ``<out>/run.json`` while the parts run."""
 
     def __init__(self, out: str, budget_s: float, smoke: bool):
         os.makedirs(out, exist_ok=True)
-        self.json_path = os.path.join(out, "gpu_acceptance.json")
-        self.log = open(os.path.join(out, "gpu_acceptance.log"), "w")
-        self.parts_dir = tempfile.mkdtemp(prefix="gpu-acceptance-")  # the parts' own files (merged into one)
+        self.json_path = os.path.join(out, "run.json")
+        self.log = open(os.path.join(out, "run.log"), "w")
+        self.parts_dir = tempfile.mkdtemp(prefix="faircast-gpu-")  # the parts' own files (merged into one)
         self.start = time.perf_counter()
         self.budget_s, self.smoke = budget_s, smoke
         self.unselected: list = []
-        self.record = {"smoke": smoke, "budget_s": budget_s, "env": {}, "parts": {}, "skipped": [], "failed": [],
-                       "finished": False}
+        self.record = {**envelope("benchmarks.gpu"), "smoke": smoke, "budget_s": budget_s, "parts": {},
+                       "skipped": [], "failed": [], "finished": False}
         self.lock = threading.Lock()
         self.current = None  # the part's process while one runs
         self.stopped = None  # why the run was stopped from outside (a signal), if it was
@@ -216,7 +185,7 @@ class Run:
                 print(f"[{prefix}] {line}", end="", flush=True)
 
     def run_part(self, part: Part) -> None:
-        entry = {"status": "skipped", "script": part.script, "args": list(part.args)}
+        entry = {"status": "skipped", "module": f"benchmarks.gpu.{part.module}", "args": list(part.args)}
         self.record["parts"][part.name] = entry
         limit = self.left() if part.cap_s is None or self.smoke else min(part.cap_s, self.left())
         why = missing(part) or (f"the time budget was spent ({self.left():.0f} s of {self.budget_s:.0f} s left)"
@@ -226,10 +195,10 @@ class Run:
             say(f"=== {part.name}: skipped ({why})")
             self.write()
             return
-        cmd = [sys.executable, os.path.join(HERE, part.script), *part.args, "--json", self.part_json(part.name)]
+        cmd = [sys.executable, "-m", f"benchmarks.gpu.{part.module}", *part.args, "--json", self.part_json(part.name)]
         if self.smoke:
             cmd.append("--cpu-smoke")
-        if part.script == "gpu_check.py":
+        if part.module == "kernel":
             cmd += ["--deadline-s", f"{max(limit - 15, 1):.0f}"]  # stops starting sections, with time to write
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
         say(f"=== {part.name}: {' '.join(cmd[1:])} (at most {limit:.0f} s)")
@@ -239,7 +208,7 @@ class Run:
                                 preexec_fn=die_with_parent)
         self.current = proc
         errors = collections.deque(maxlen=25)  # the last lines of its stderr, shown if it crashes
-        console = REPORT_LINE.match if part.script == "gpu_adapters.py" else (lambda line: True)
+        console = REPORT_LINE.match if part.module == "adapters" else (lambda line: True)
         streams = ((part.name, proc.stdout, console, collections.deque(maxlen=1)),
                    (part.name + " stderr", proc.stderr, lambda line: False, errors))
         readers = [threading.Thread(target=self.echo, args=args, daemon=True) for args in streams]
@@ -294,9 +263,19 @@ class Run:
         return 1 if self.record["failed"] else 0
 
 
+def list_parts() -> None:
+    for part in PARTS:
+        needs = ", ".join(dict.fromkeys(INSTALL[m] for m in part.needs)) or "torch only"
+        cap = f"at most {part.cap_s:.0f} s" if part.cap_s else "the rest of the budget"
+        say(f"  {part.name:<10} benchmarks.gpu.{part.module} {' '.join(part.args)}  ({cap}; needs: {needs})")
+
+
 def main(argv=None) -> int:
     args = _ARGS.parse_args(argv)
-    chosen = [p for p in args.parts.split(",") if p]
+    if args.list:
+        list_parts()
+        return 0
+    chosen = args.parts or [p.name for p in PARTS]
     unknown = sorted(set(chosen) - {p.name for p in PARTS})
     if unknown:
         _ARGS.error(f"unknown part(s) {unknown}; the parts are {', '.join(p.name for p in PARTS)}")
@@ -304,19 +283,19 @@ def main(argv=None) -> int:
     run = Run(args.out, budget, args.cpu_smoke)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, run.stop)
-    run.record["env"] = environment()
-    if not args.cpu_smoke and not run.record["env"]["cuda"]:
+    rec = run.record
+    if not args.cpu_smoke and not rec["device"]["cuda"]:
         run.write()
-        say("gpu_acceptance: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
+        say("benchmarks.gpu: no CUDA device (use --cpu-smoke to exercise the parts on the CPU)")
         return 2
-    env = run.record["env"]
-    say(f"gpu_acceptance: {env.get('device', 'CPU smoke')}; python {env['python']}; "
-        + "; ".join(f"{d} {v['version']}" for d, v in env["versions"].items() if v["version"])
-        + f"; faircast_plugins from {env['faircast_plugins']}; budget {budget:.0f} s")
+    code = f"{rec['commit'] or 'unknown commit'}{' (dirty)' if rec['dirty'] else ''}"
+    say(f"benchmarks.gpu: {rec['device']['name'] or 'CPU smoke'}; code {code}; python {rec['python']['version']}; "
+        + "; ".join(f"{d} {v['version']}" for d, v in rec["versions"].items() if v["version"])
+        + f"; faircast_plugins from {rec['faircast_plugins']}; budget {budget:.0f} s")
     run.write()
     for part in PARTS:
         if part.name not in chosen:
-            run.unselected.append({"what": part.name, "why": "not selected (--parts)"})
+            run.unselected.append({"what": part.name, "why": "not selected"})
         elif run.stopped:
             run.unselected.append({"what": part.name, "why": f"not started: the run was stopped ({run.stopped})"})
         else:

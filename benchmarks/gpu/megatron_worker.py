@@ -22,10 +22,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
-from gpu_report import Report, Skip, say  # noqa: E402
+from benchmarks.gpu.record import Report, Skip, say  # noqa: E402
 
 # HF-keyed scenarios last (megatron-bridge, where installed, imports behind TransformerEngine stand-ins)
 SCENARIOS = ("do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "skip", "bypass", "refusals", "hf",

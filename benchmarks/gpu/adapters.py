@@ -1,8 +1,9 @@
 """Fair Cast's adapters on one device, world size 1, each against its flag-off control.
 
-The device run is ``benchmarks/gpu_acceptance.py`` (one process per adapter); alone, from the repository root:
+The GPU run's parts fsdp2, deepspeed and trl (``python -m benchmarks.gpu``, one process per part); alone, from the
+repository root:
 
-    python3 benchmarks/gpu_adapters.py --json out/adapters.json [--only fsdp2,zero2,zero3,trl] [--cpu-smoke]
+    python3 -m benchmarks.gpu.adapters --json out/adapters.json [--only fsdp2,zero2,zero3,trl] [--cpu-smoke]
 
 On CUDA with NCCL (one rank, launched as torchrun would: RANK=0, WORLD_SIZE=1, a free local port); under
 ``--cpu-smoke`` the same code on the CPU with gloo (``DS_ACCELERATOR=cpu``, TRL's ``use_cpu``). Sections:
@@ -20,7 +21,7 @@ bit, computed here by the torch reference on the CPU with the key derived indepe
 from round-to-nearest somewhere (so the comparison can tell the two apart). Flag off (the control): the same
 weights are round-to-nearest of the master (TRL: the forward runs on the fp32 master and the engine-bound copy is
 its round-to-nearest cast), and the comparison that passed with Fair Cast on fails. What cannot run here (a
-framework that does not import) is skipped with the reason; the record is benchmarks/gpu_report.py's.
+framework that does not import) is skipped with the reason; the record is benchmarks/gpu/record.py's.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import tempfile
 SECTIONS = ("fsdp2", "zero2", "zero3", "trl")
 _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _ARGS.add_argument("--cpu-smoke", action="store_true", help="on the CPU with gloo (how CI runs this script)")
-_ARGS.add_argument("--json", default="gpu_adapters.json", help="results, rewritten after every section")
+_ARGS.add_argument("--json", default="adapters.json", help="results, rewritten after every section")
 _ARGS.add_argument("--only", default="", help=f"comma-separated sections to run (default all): {','.join(SECTIONS)}")
 _ARGS.add_argument("--verbose", action="store_true", help="print every passing check too")
 ARGS = _ARGS.parse_args()
@@ -43,19 +44,18 @@ if SMOKE:
 for var, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
     os.environ.setdefault(var, value)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
-from gpu_report import Report, Skip, say  # noqa: E402
+from benchmarks.gpu.record import Report, Skip, say  # noqa: E402
 
 from faircast_plugins import FairCastConfig, FairCaster, derive_key, fair_cast  # noqa: E402
 from faircast_plugins.doctor import SEED  # noqa: E402
 from faircast_plugins.key import canonical_name  # noqa: E402
 
 if not SMOKE and not torch.cuda.is_available():
-    sys.exit("gpu_adapters: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
+    sys.exit("benchmarks.gpu.adapters: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
 DEV = torch.device("cpu" if SMOKE else "cuda", None if SMOKE else 0)
 BACKEND = "gloo" if SMOKE else "nccl"
 STEPS = 2
@@ -81,8 +81,8 @@ def importable(module: str, what: str):
     try:
         return importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - the reason is reported, whatever it is
-        raise Skip(f"{what} does not import here ({type(exc).__name__}: {str(exc)[:200]}); on the device it "
-                   f"travels as a wheel: bash benchmarks/gpu_wheels.sh, then carry .whl") from exc
+        raise Skip(f"{what} does not import here ({type(exc).__name__}: {str(exc)[:200]}); what to install: "
+                   f"benchmarks/gpu/README.md") from exc
 
 
 def tally(what: str, records, *, faircast: bool) -> None:
@@ -303,13 +303,13 @@ def trl_section() -> None:
 def main() -> int:
     launch_as_one_rank()
     name = torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "CPU (smoke: gloo)"
-    REPORT.results["env"] = {"device": name, "torch": torch.__version__, "backend": BACKEND}
-    say(f"gpu_adapters: {name}; torch {torch.__version__}; {BACKEND}, world size 1; results in {ARGS.json}")
+    REPORT.results["process_group"] = {"backend": BACKEND, "world_size": 1}
+    say(f"benchmarks.gpu.adapters: {name}; torch {torch.__version__}; {BACKEND}, world size 1; results in {ARGS.json}")
     sections = {"fsdp2": fsdp2_section, "zero2": lambda: zero_section(2), "zero3": lambda: zero_section(3),
                 "trl": trl_section}
     for section in SECTIONS:
         REPORT.section(section, sections[section])
-    return REPORT.finish("gpu_adapters")
+    return REPORT.finish("adapters")
 
 
 if __name__ == "__main__":

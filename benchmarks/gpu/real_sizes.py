@@ -1,8 +1,8 @@
 """Issue 29's device checks: what only real sizes and a real GPU show.
 
-Run by ``benchmarks/gpu_acceptance.py`` (part ``realsize``); alone, from the repository root:
+The GPU run's part ``realsize`` (``python -m benchmarks.gpu``); alone, from the repository root:
 
-    python3 benchmarks/gpu_real_sizes.py --json out/real_sizes.json [--only audit,fp8quant,fp8loss,offload] [--cpu-smoke]
+    python3 -m benchmarks.gpu.real_sizes --json out/real_sizes.json [--only audit,fp8quant,fp8loss,offload] [--cpu-smoke]
 
 Sections:
 
@@ -10,10 +10,11 @@ Sections:
             Qwen-sized embedding, 622M elements, above 2**24) on CUDA: the sampled positions end at ``numel - 1``
             (the float32 linspace of before ran past the end: a device-side assert), the positions computed on the
             device equal those on the host, and the metrics are finite.
-  fp8quant  finding 3: verl's Triton fp8 quantizer (``verl/utils/kernel/fp8_kernel.py`` of the carried verl
-            wheel, loaded as a file: verl's package imports are not needed) against Fair Cast's fp8 copy
-            (``faircast_plugins.fp8.quantize_blockwise``) and verl's PyTorch path, descale bits and fp8 bytes, on
-            blocks whose amax is every positive normal bf16 value, and on a random 4096 x 14336 weight.
+  fp8quant  finding 3: verl's Triton fp8 quantizer (``verl/utils/kernel/fp8_kernel.py`` of an installed verl,
+            ``pip install --no-deps verl==0.9.1``, loaded as a file: verl's package imports are not needed) against
+            Fair Cast's fp8 copy (``faircast_plugins.fp8.quantize_blockwise``) and verl's PyTorch path, descale
+            bits and fp8 bytes, on blocks whose amax is every positive normal bf16 value, and on a random 4096 x
+            14336 weight.
   fp8loss   finding 2: ``fp8_loss`` on one 4096 x 14336 linear (a 7B MLP's down projection), forward + backward
             over 8192 tokens, with and without activation checkpointing, against the same layer in plain bf16:
             time (CUDA events) and peak memory above the start.
@@ -36,26 +37,25 @@ import time
 SECTIONS = ("audit", "fp8quant", "fp8loss", "offload")
 _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (how CI runs this script)")
-_ARGS.add_argument("--json", default="gpu_real_sizes.json", help="results, rewritten after every section")
+_ARGS.add_argument("--json", default="real_sizes.json", help="results, rewritten after every section")
 _ARGS.add_argument("--only", default="", help=f"comma-separated sections to run (default all): {','.join(SECTIONS)}")
 _ARGS.add_argument("--verbose", action="store_true", help="print every passing check too")
 _ARGS.add_argument("--deadline-s", type=float, default=None, help="skip the sections not started by then")
 ARGS = _ARGS.parse_args()
 SMOKE = ARGS.cpu_smoke
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
-from gpu_report import Report, Skip, say  # noqa: E402
+from benchmarks.gpu.record import Report, Skip, say  # noqa: E402
 
 from faircast_plugins import FairCastConfig, FairCaster, fp8  # noqa: E402
 from faircast_plugins.audit import Audit, sample_positions  # noqa: E402
 from faircast_plugins.fsdp import uneven_shards  # noqa: E402
 
 if not SMOKE and not torch.cuda.is_available():
-    sys.exit("gpu_real_sizes: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
+    sys.exit("benchmarks.gpu.real_sizes: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
 DEV = torch.device("cpu" if SMOKE else "cuda")
 REPORT = Report(ARGS.json, only=ARGS.only.split(","), deadline_s=ARGS.deadline_s, verbose=ARGS.verbose)
 RESULTS = REPORT.results
@@ -109,12 +109,13 @@ def audit_section() -> None:
 
 
 def verl_fp8_kernel():
-    """verl's fp8_kernel.py as a module of its own (it imports torch and triton only), from the carried wheel."""
+    """verl's fp8_kernel.py as a module of its own (it imports torch and triton only), from an installed verl (or
+    the offline wheels of wheels.sh installed under /tmp/site)."""
     candidates = [os.path.join(p, "verl", "utils", "kernel", "fp8_kernel.py") for p in sys.path if p]
     candidates += glob.glob("/tmp/site/verl/utils/kernel/fp8_kernel.py")
     found = next((c for c in candidates if os.path.isfile(c)), None)
     if found is None:
-        raise Skip("verl's fp8_kernel.py is not here: carry the verl wheel (bash benchmarks/gpu_wheels.sh)")
+        raise Skip("verl's fp8_kernel.py is not here: pip install --no-deps verl==0.9.1 (only that file is used)")
     spec = importlib.util.spec_from_file_location("verl_fp8_kernel", found)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -356,13 +357,13 @@ def offload_section() -> None:
 
 
 def main() -> int:
-    say(f"gpu_real_sizes on {torch.cuda.get_device_name(0) if DEV.type == 'cuda' else 'CPU (smoke)'}, "
+    say(f"benchmarks.gpu.real_sizes on {torch.cuda.get_device_name(0) if DEV.type == 'cuda' else 'CPU (smoke)'}, "
         f"torch {torch.__version__}")
-    RESULTS["env"] = {"torch": torch.__version__, "device": DEV.type, "smoke": SMOKE}
+    RESULTS["on"] = {"device": DEV.type, "smoke": SMOKE}
     for name, fn in (("audit", audit_section), ("fp8quant", fp8quant_section), ("fp8loss", fp8loss_section),
                      ("offload", offload_section)):
         REPORT.section(name, fn)
-    return REPORT.finish("gpu_real_sizes")
+    return REPORT.finish("real_sizes")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""One-shot GPU check of the Triton Fair Cast kernel: bit-exactness against the torch reference, then speed.
+"""The GPU run's parts kernel, export and perf: the Triton kernel's bits against the torch reference, then speed.
 
-The device run is ``benchmarks/gpu_acceptance.py``, which runs this script's sections (and the adapters') within
-one time budget; this script alone, from the repository root, with the python that has torch and triton (no
-install needed: the repository is put on sys.path):
+``python -m benchmarks.gpu`` runs these sections as three parts (with the adapters') within one time budget; this
+module alone, from the repository root, with the python that has torch and triton (no install needed: the
+repository is put on sys.path):
 
-    python3 benchmarks/gpu_check.py --json out/gpu_check.json [--only SECTION,...] [--deadline-s SECONDS]
+    python3 -m benchmarks.gpu.kernel --json out/kernel.json [--only SECTION,...] [--deadline-s SECONDS]
 
 Sections, in this order (the JSON file is rewritten after every section, so a run cut short keeps what it did):
   1. bits    the kernel == faircast_plugins.torch_ref, bit for bit. Against the reference run ON CPU (the
@@ -41,7 +41,7 @@ Sections, in this order (the JSON file is rewritten after every section, so a ru
   9. tiles   a ROWS x num_warps sweep for stochastic and error feedback at 2**28 elements (every variant must
              give the same bits), with each variant's registers and spills beside its speed.
 
-The record (checks, skips with their reasons, errors, the JSON rewrites) is benchmarks/gpu_report.py's. It prints a
+The record (the envelope, checks, skips with their reasons, errors) is benchmarks/gpu/record.py's. It prints a
 compact table and exits non-zero on any bit mismatch (or a crashed section).
 ``--cpu-smoke`` runs every section with tiny sizes on CPU under the Triton interpreter (timings then mean
 nothing; the regs section then compiles for sm_90; what needs CUDA is skipped with the reason): that is how this
@@ -63,8 +63,8 @@ SECTIONS = ("bits", "auto", "stream", "paths", "master16", "huge", "export", "re
 
 _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
-_ARGS.add_argument("--json", default="gpu_check.json",
-                   help="write every number to this JSON file, after every section (default gpu_check.json)")
+_ARGS.add_argument("--json", default="kernel.json",
+                   help="write every number to this JSON file, after every section (default kernel.json)")
 _ARGS.add_argument("--max-log2", type=int, default=30, help="largest size of the speed section (2**N elements)")
 _ARGS.add_argument("--verbose", action="store_true", help="print every passing bit check too")
 _ARGS.add_argument("--only", default="", help=f"comma-separated sections to run (default all): {','.join(SECTIONS)}")
@@ -75,13 +75,12 @@ ARGS = _ARGS.parse_args()
 if ARGS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from gpu_report import Report, Skip, say  # noqa: E402
+from benchmarks.gpu.record import Report, Skip, say  # noqa: E402
 
 from faircast_plugins import golden, torch_ref  # noqa: E402
 from faircast_plugins.cast import CastItem, fair_cast, fair_cast_many, resolve_backend  # noqa: E402
@@ -92,7 +91,7 @@ from faircast_plugins.key import derive_key  # noqa: E402
 
 SMOKE = ARGS.cpu_smoke
 if not SMOKE and not torch.cuda.is_available():
-    sys.exit("gpu_check: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
+    sys.exit("benchmarks.gpu.kernel: no CUDA device (use --cpu-smoke to exercise the script on CPU)")
 DEV = torch.device("cpu" if SMOKE else "cuda")
 REPORT = Report(ARGS.json, only=ARGS.only.split(","), skip=ARGS.skip.split(","), deadline_s=ARGS.deadline_s,
                 verbose=ARGS.verbose)
@@ -377,9 +376,6 @@ def bits_section_checks() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # auto, stream, huge: what the review of the CUDA paths found untested (the first GPU review, docs/gpu-paths.md)
 # ----------------------------------------------------------------------------------------------------------------
-
-REPO = os.path.join(HERE, "..")
-
 
 def run_child(code: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     """``python -c code args`` with this repository first on the path (a fresh process: import-time choices)."""
@@ -854,7 +850,7 @@ def compiled_usage(launch) -> dict:
 
 def regs_section() -> None:
     """Registers and spills of every variant as launched on this device (sm_90 compile under --cpu-smoke)."""
-    from triton_regs import ROWS, WARPS
+    from benchmarks.triton_regs import ROWS, WARPS
 
     if SMOKE:  # this process runs the interpreter; the real compiler runs in a child without TRITON_INTERPRET
         import subprocess
@@ -862,7 +858,7 @@ def regs_section() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_regs.py"),
+            subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "triton_regs.py"),
                             "--modes", "stochastic", "--rows", str(tc.DEFAULT_ROWS), "--json", f"{tmp}/regs.json"],
                            env=env, check=True, capture_output=True, timeout=600)
             with open(f"{tmp}/regs.json") as fh:
@@ -1057,16 +1053,15 @@ def export_section() -> None:
 
 def main() -> int:
     props = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU (Triton interpreter: timings meaningless)"
-    RESULTS["env"] = {"device": props, "torch": torch.__version__, "triton": triton.__version__,
-                      "default_rows": tc.DEFAULT_ROWS, "default_warps": tc.DEFAULT_NUM_WARPS}
-    say(f"gpu_check: {props}; torch {torch.__version__}; triton {triton.__version__}; "
+    RESULTS["tile"] = {"default_rows": tc.DEFAULT_ROWS, "default_warps": tc.DEFAULT_NUM_WARPS}
+    say(f"benchmarks.gpu.kernel: {props}; torch {torch.__version__}; triton {triton.__version__}; "
         f"ROWS={tc.DEFAULT_ROWS} warps={tc.DEFAULT_NUM_WARPS}; results in {ARGS.json}")
     sections = {"bits": bits_section, "auto": auto_section, "stream": stream_section, "paths": paths_section,
                 "master16": master16_section, "huge": huge_section,
                 "export": export_section, "regs": regs_section, "speed": speed_section, "tiles": tiles_section}
     for name in SECTIONS:
         REPORT.section(name, sections[name])
-    return REPORT.finish("gpu_check")
+    return REPORT.finish("kernel")
 
 
 if __name__ == "__main__":

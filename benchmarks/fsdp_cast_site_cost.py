@@ -1,6 +1,6 @@
-"""FSDP cast-site costs before and after issue #20's findings 5, 6 and 9, side by side (CPU, gloo; not a timed test).
+"""FSDP cast-site costs before and after findings 5, 6 and 9 of docs/gpu-paths.md, side by side (CPU, gloo; no timed test).
 
-    PYTHONPATH=. python benchmarks/gpu_paths.py [--before 81b1184] [--markdown]
+    PYTHONPATH=. python benchmarks/fsdp_cast_site_cost.py [--before 81b1184] [--markdown]
 
 The "before" tree is ``faircast_plugins`` at ``--before`` (extracted with ``git archive`` into a temporary directory),
 the "after" tree is this checkout's; each is measured in its own subprocess with that tree first on the path, the same

@@ -252,18 +252,24 @@ def param_keys(model_chunks: Iterable[torch.nn.Module]) -> Dict[int, ParamKey]:
     return keys
 
 
-def dp_ranges(optimizer) -> List[Tuple[torch.Tensor, torch.nn.Parameter, int, int, torch.Tensor]]:
+def dp_ranges(optimizer, destinations: bool = True
+              ) -> List[Tuple[torch.Tensor, torch.nn.Parameter, int, int, Optional[torch.Tensor]]]:
     """``(main shard, model param, start, end, destination)`` per bf16 param of a distributed optimizer: the fp32
     shard of elements ``[start, end)`` of the flattened TP-local param and the bf16 param-buffer slice the
-    main->model copy writes it to."""
+    main->model copy writes it to. ``destinations=False``: None instead of the slice, so that the ranges can be read
+    while the bucket's storage is offloaded (verl's ``param_offload`` resizes it to 0 bytes between steps: a slice of
+    it raises)."""
     out = []
     for main_group, model_group in zip(optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups):
         for main, param in zip(main_group, model_group):
             ranges = optimizer._get_model_param_range_map(param)
             local, world = ranges["param"], ranges["gbuf_world_in_bucket"]
-            gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[param]
-            buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
-            out.append((main, param, local.start, local.end, buffer.view(-1)[world.start: world.end]))
+            dst = None
+            if destinations:
+                gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[param]
+                buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
+                dst = buffer.view(-1)[world.start: world.end]
+            out.append((main, param, local.start, local.end, dst))
     return out
 
 

@@ -164,9 +164,9 @@ class MegatronFairCast:
     def _check(self) -> Optional[str]:
         """Why the data-parallel ranks of some optimizer did not cast each bf16 element exactly once (None if fine).
 
-        A collective over each distributed optimizer's data-parallel group."""
-        if self.problem:
-            return self.problem
+        A collective over each distributed optimizer's data-parallel group: every rank runs all of them, whatever it
+        found (a rank that returned early would wait in the next collective while its peers wait in this one)."""
+        found = self.problem
         for opt in _sub_optimizers(self.optimizer):
             if getattr(opt, "is_stub_optimizer", False):
                 continue
@@ -177,12 +177,12 @@ class MegatronFairCast:
                 total = torch.tensor([cast], dtype=torch.int64, device=first_device(opt))
                 torch.distributed.all_reduce(total, group=group)
                 cast = int(total.item())
-            if cast != owned:
-                return (f"Fair Cast cast {cast} elements of the {owned} bf16 elements of {type(opt).__name__} over its "
-                        f"data-parallel ranks in this step with megatron-core {_installed()}: part of the served bf16 "
-                        f"copy was written outside Fair Cast (round-to-nearest) or twice. This megatron-core version or "
-                        f"configuration is not supported.")
-        return None
+            if cast != owned and found is None:
+                found = (f"Fair Cast cast {cast} elements of the {owned} bf16 elements of {type(opt).__name__} over its "
+                         f"data-parallel ranks in this step with megatron-core {_installed()}: part of the served bf16 "
+                         f"copy was written outside Fair Cast (round-to-nearest) or twice. This megatron-core version or "
+                         f"configuration is not supported.")
+        return found
 
     def metrics(self) -> dict:
         """The ``faircast/*`` metrics since the last call, the audit's sums added over every rank (a collective with
@@ -199,7 +199,8 @@ class MegatronFairCast:
         ranges = []
         for opt in _sub_optimizers(self.optimizer):
             if type(opt).__name__ == "DistributedOptimizer":
-                ranges += [(self.keys[id(p)].name, s, e) for _, p, s, e, _ in dp_ranges(opt) if id(p) in self.keys]
+                ranges += [(self.keys[id(p)].name, s, e) for _, p, s, e, _ in dp_ranges(opt, destinations=False)
+                           if id(p) in self.keys]
             else:
                 ranges += [(self.keys[id(p)].name, 0, p.numel()) for _, p in float16_pairs(opt) if id(p) in self.keys]
         return {"ranges": sorted(ranges)}
@@ -387,7 +388,7 @@ def cast_ranges(subs) -> List[Tuple[torch.nn.Parameter, int, int]]:
     out = []
     for opt in subs:
         if type(opt).__name__ == "DistributedOptimizer":
-            out += [(p, s, e) for _, p, s, e, _ in dp_ranges(opt)]
+            out += [(p, s, e) for _, p, s, e, _ in dp_ranges(opt, destinations=False)]
         elif not getattr(opt, "is_stub_optimizer", False):
             out += [(p, 0, p.numel()) for _, p in float16_pairs(opt)]
     return out

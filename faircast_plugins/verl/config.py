@@ -26,7 +26,10 @@ def _plain(value: Any) -> Any:
 #: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
 #: ``fp8_loss``: with ``rollout.quantization: fp8``, the actor's forward runs its quantized linear layers on the
 #: dequantized fp8 copy (fp32 GEMMs, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
-VERL_OPTIONS = ("allow_merged_lora", "fp8_loss")
+#: ``resume_without_state``: (Megatron engine) resume from a checkpoint that holds no Fair Cast state (written without
+#: Fair Cast): the weight version restarts at 0 and residuals / EMA start empty, so use a ``seed`` no earlier run of
+#: this model used. Without it such a resume is refused (verl/megatron.py).
+VERL_OPTIONS = ("allow_merged_lora", "fp8_loss", "resume_without_state")
 
 FP8_LOSS_NEEDS_FP8 = (
     "actor_rollout_ref.faircast.fp8_loss: true (the actor's forward on the dequantized fp8 copy) needs "
@@ -128,6 +131,8 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     if strategy == MEGATRON_STRATEGY:
         check_megatron(config, worker_config)
         return
+    if verl_option(worker_config, "resume_without_state"):
+        raise ValueError("actor_rollout_ref.faircast.resume_without_state applies to actor.strategy=megatron only")
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but actor.strategy={strategy!r}: Fair Cast for verl supports the FSDP "

@@ -269,7 +269,7 @@ def slime_lookup():
     gather = slime_source.install_weight_gather(slime_source.source())
     args = SimpleNamespace(vocab_size=HF_VOCAB, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                            kv_channels=None, q_lora_rank=None)
-    slime = slime_converters(args, "llamaconfig")
+    slime = slime_converters(args, "llamaconfig", SimpleNamespace(quantization_config=None))
 
     def lookup(name):
         return slime(re.sub(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$",

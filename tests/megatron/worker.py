@@ -240,14 +240,15 @@ def check(model, optimizer, fc, version, faircast, sources=None):
 
 def converters_for_test(model, opts):
     """``(what apply_megatron_patch gets, lookup, bridge installed?)``: megatron-bridge's LlamaBridge mappings where it
-    is installed (``bridge=`` its registry; MoE layers: a ``converters=`` table of its mappings and hand-written
+    is installed (``bridge=`` the model bridge; MoE layers: a ``converters=`` table of its mappings and hand-written
     expert converters, LlamaBridge has none), else the hand-written converters of tests/megatron/hf_converters.py."""
     if opts.get("slime"):
         return slime_lookup()
-    registry = bridge_stubs.llama_mapping_registry()
+    model_bridge = bridge_stubs.llama_model_bridge()
+    registry = model_bridge.mapping_registry() if model_bridge is not None else None
     own = hf_converters.llama_like(heads=4, groups=2, tied=opts.get("tied", False))
     if registry is not None and not opts.get("experts"):
-        return {"bridge": registry}, registry.megatron_to_hf_lookup, True
+        return {"bridge": model_bridge}, registry.megatron_to_hf_lookup, True
     table = {}
     for key in param_keys([model]).values():
         converter = (registry.megatron_to_hf_lookup(key.name) if registry is not None else None) or own(key.name)

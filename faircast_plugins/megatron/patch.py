@@ -460,7 +460,7 @@ def refused_options(opt):
     if getattr(config, "use_precision_aware_optimizer", False):
         yield ("the precision-aware optimizer (use_precision_aware_optimizer): the main->model copy happens inside "
                "TransformerEngine's FusedAdam, outside the copy Fair Cast patches. Set use_precision_aware_optimizer="
-               "False (verl sets it for fp16 and for optimizer offload)")
+               "False (verl sets it for fp16 and when actor.optim.use_precision_aware_optimizer=true)")
     if getattr(config, "optimizer_cpu_offload", False):
         yield ("optimizer CPU offload (optimizer_cpu_offload, HybridDeviceOptimizer): the masters are updated and copied "
                "back by the hybrid optimizer, not yet tested with Fair Cast. Keep the optimizer on the GPU")
@@ -484,4 +484,8 @@ def refused_model_options(model_chunks):
         if getattr(config, "fp8", None) or getattr(config, "fp4", None):
             yield ("fp8/fp4 training (TransformerConfig.fp8/fp4): the forward reads quantized weights, not the bf16 copy "
                    "Fair Cast writes. Train in bf16")
+            return
+        if getattr(config, "quant_recipe", None) or getattr(config, "use_kitchen", False):
+            yield ("per-layer quantization (TransformerConfig.quant_recipe / use_kitchen): the forward reads quantized "
+                   "weights, not the bf16 copy Fair Cast writes. Train in bf16 without a quantization recipe")
             return

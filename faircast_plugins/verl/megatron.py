@@ -49,12 +49,26 @@ def activate(engine, config: FairCastConfig, *, resume_without_state: bool = Fal
     if getattr(engine, "vanilla_bridge", False):
         raise ValueError("actor_rollout_ref.faircast with the vanilla mbridge (vanilla_mbridge=True) is not supported: "
                          "Fair Cast keys the served weights through megatron-bridge's converters; set vanilla_mbridge=False")
+    if _overlaps_param_gather(engine):
+        raise ValueError("actor_rollout_ref.faircast on verl's Megatron engine does not support overlap_param_gather "
+                         "(actor.megatron.override_ddp_config): Megatron all-gathers the updated params in the next "
+                         "forward, but verl exports them right after the step, so the rollout would get the other "
+                         "data-parallel ranks' params of the previous version. Remove overlap_param_gather")
     PATCHES.apply(details="Fair Cast state saved and loaded with verl's Megatron checkpoints")
     bridge = getattr(engine, "bridge", None)  # None: an engine built without a bridge keeps Megatron-native keys
     fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module), bridge=bridge)
     setattr(engine, ATTR, fc)
     setattr(engine, FRESH_ATTR, bool(resume_without_state))
     return fc
+
+
+def _overlaps_param_gather(engine) -> bool:
+    chunks = list(getattr(engine, "module", None) or [])
+    if any(getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False) for c in chunks):
+        return True
+    optimizer = getattr(engine, "optimizer", None)
+    subs = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    return any(getattr(getattr(o, "config", None), "overlap_param_gather", False) for o in subs if o is not None)
 
 
 def _first(action):

@@ -184,6 +184,32 @@ class MegatronFairCast:
                          f"configuration is not supported.")
         return found
 
+    def offload_state(self) -> int:
+        """Move this rank's per-element Fair Cast state (error-feedback residuals and their last served copies, EMA)
+        to host memory, pinned where CUDA is available, e.g. while the trainer offloads its optimizer for the rollout
+        (verl: ``MegatronEngine.to("cpu", optimizer=True)``); each cast moves its piece back next to its master. Returns
+        the bytes moved off the device."""
+        moved = 0
+        pin = torch.cuda.is_available()
+
+        def host(t):
+            nonlocal moved
+            if t is None or t.device.type == "cpu":
+                return t
+            moved += t.numel() * t.element_size()
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            out.copy_(t, non_blocking=pin)
+            return out
+
+        caster = self.caster
+        for state in caster._ef.values():
+            state.residual, state.served = host(state.residual), host(state.served)
+        for name, t in list(caster._ema.items()):
+            caster._ema[name] = host(t)
+        if moved and pin:
+            torch.cuda.synchronize()  # the device copies may be freed once this returns
+        return moved
+
     def metrics(self) -> dict:
         """The ``faircast/*`` metrics since the last call, the audit's sums added over every rank (a collective with
         the audit on: every rank calls it)."""

@@ -12,7 +12,10 @@ directory *before* verl's ``save_checkpoint`` (l.774) runs, because that call fi
 the HDFS upload, the retention of old checkpoints: ``MegatronCheckpointManager._finalize_save``); it is read before
 verl's ``load_checkpoint`` (l.801). A resume from a checkpoint without it is refused (the weight version would restart
 at 0 and reuse earlier noise; verl does not restore the step count by default), unless
-``actor_rollout_ref.faircast.resume_without_state=true``.
+``actor_rollout_ref.faircast.resume_without_state=true``. When verl offloads the optimizer (``actor.megatron.
+optimizer_offload``: ``MegatronEngine.to("cpu", optimizer=True)`` around the rollout), Fair Cast's per-element state
+(error-feedback residual and served copy, 6 B per element of the DP shard; EMA, 4 B) goes to pinned host memory
+with it, and comes back at the next cast.
 """
 from __future__ import annotations
 
@@ -108,8 +111,24 @@ def _load(engine, fc, local_path):
     fc.load(local_path)
 
 
+def _wrap_to(original):
+    @functools.wraps(original)
+    def to(self, device, model: bool = True, optimizer: bool = True, grad: bool = True, *args, **kwargs):
+        result = original(self, device, model, optimizer, grad, *args, **kwargs)
+        fc = state_of(self)
+        if fc is not None and optimizer and str(device) == "cpu":
+            moved = fc.offload_state()
+            if moved:
+                logger.info("Fair Cast: %.1f MB of error-feedback/EMA state to host memory with verl's optimizer",
+                            moved / 2**20)
+        return result
+
+    return to
+
+
 PATCHES = (
     PatchSet("verl Megatron engine", "verl", ">=0.9.1,<0.10")
+    .wrap(f"{_ENGINE}.to", _wrap_to)
     .wrap(f"{_ENGINE}.save_checkpoint", _first(_save))
     .wrap(f"{_ENGINE}.load_checkpoint", _first(_load))
 )

@@ -200,7 +200,7 @@ def _bridge_expected() -> bool:
 
 @pytest.mark.parametrize("launch,name", [("ws1", "hf"), ("ws1", "hf_tied"), ("ws1", "hf_f16"), ("ws1", "hf_resume"),
                                          ("ws1", "hf_ema_resume"), ("ws2", "hf"), ("ws2", "hf_tp2"), ("ws2", "hf_pp2"),
-                                         ("ws2", "hf_ep2"), ("ws4", "hf_tp2")])
+                                         ("ws2", "hf_ep2"), ("ws4", "hf_tp2"), ("ws1", "hf_offload")])
 def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(request, launch, name):
     """With converters (megatron-bridge's LlamaBridge where installed, else hand-written stand-ins): the served
     params, exported to HF tensors through the converters, are what ``faircast export`` serves from the HF
@@ -212,7 +212,8 @@ def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(requ
         assert r["steps_ok"] and r["version"] == 2
         assert hf["bridge"] == _bridge_expected(), hf["bridge"]
         # the bridge's own megatron_to_hf (TP2: its TP gather) is the export wherever it can run without PP/EP
-        assert hf["real_export"] == (hf["bridge"] and name in ("hf", "hf_tied", "hf_f16", "hf_tp2", "hf_resume"))
+        assert hf["real_export"] == (hf["bridge"] and name in ("hf", "hf_tied", "hf_f16", "hf_tp2", "hf_resume",
+                                                                  "hf_offload"))
         assert hf["mismatches"] == [], f"{name} ({launch}): served != faircast export for {hf['mismatches']}"
         assert hf["differs_from_rtn"] == len(hf["hf_names"]) > 0
         held = set(hf["hf_names"])
@@ -245,9 +246,10 @@ def test_hf_keying_refusals_name_the_param(ws1):
 
 def test_param_offload_attach_and_checkpoints_with_bucket_storage_resized_to_0(ws1):
     """verl's actor.megatron.param_offload=True: Fair Cast attaches, saves and loads while every DDP buffer's storage
-    is resized to 0 (megatron-review.md finding 2), and the steps in between serve fair_cast(master)."""
-    _served_fair_cast(ws1, "hf_offload")
+    is resized to 0 (megatron-review.md finding 2); the steps in between serve the HF-keyed fair_cast of the master
+    (test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint[ws1-hf_offload])."""
     for r in _ranks(ws1, "hf_offload"):
+        assert r["steps_ok"] and r["version"] == 2
         assert r["offload_saved"] == ["faircast_state_rank00000.pt"], r
 
 

@@ -51,6 +51,9 @@ class _Engine:
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         assert os.path.exists(os.path.join(local_path, "model.pt"))
 
+    def to(self, device, model=True, optimizer=True, grad=True):
+        pass
+
 
 def _wrapped_engine(tmp_path, mode="stochastic", fresh=False):
     cls = type("MegatronEngine", (_Engine,), {})
@@ -84,3 +87,34 @@ def test_resume_without_state_is_an_explicit_choice(tmp_path):
     open(tmp_path / "old" / "model.pt", "w").close()
     engine.load_checkpoint(str(tmp_path / "old"))
     assert fc.loaded is None and fc.caster.version == 7
+
+
+def test_state_goes_to_host_memory_when_verl_offloads_the_optimizer(tmp_path):
+    """``MegatronEngine.to("cpu", optimizer=True)`` (verl's optimizer_offload around the rollout) moves Fair Cast's
+    per-element state off the device too; a model-only offload does not (gpu-review-3 finding 4)."""
+    calls = []
+
+    class Engine(_Engine):
+        def to(self, device, model=True, optimizer=True, grad=True):
+            calls.append((device, model, optimizer))
+
+    cls = type("MegatronEngine", (Engine,), {})
+    for target, factory in verl_megatron.PATCHES._wanted:
+        attr = target.rsplit(".", 1)[-1]
+        setattr(cls, attr, factory(getattr(Engine, attr)))
+    engine = cls(str(tmp_path))
+    fc = _FairCast("error_feedback")
+    fc.offloaded = 0
+
+    def offload_state():
+        fc.offloaded += 1
+        return 0
+
+    fc.offload_state = offload_state
+    setattr(engine, verl_megatron.ATTR, fc)
+    engine.to("cpu", model=True, optimizer=False, grad=False)
+    assert fc.offloaded == 0
+    engine.to("cpu", model=True, optimizer=True, grad=True)
+    assert fc.offloaded == 1
+    engine.to("cuda", model=True, optimizer=True)
+    assert fc.offloaded == 1 and len(calls) == 3

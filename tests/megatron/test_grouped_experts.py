@@ -173,7 +173,7 @@ from tests.megatron import grouped_experts as ge
 from tests.megatron.test_grouped_experts import _exported, _params, SIZES
 import tempfile
 torch.distributed.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-lookup = converter_lookup(Qwen3MoEBridge().mapping_registry())  # megatron-core's get_pg_size needs an initialized
+lookup = converter_lookup(Qwen3MoEBridge())  # megatron-core's get_pg_size needs an initialized
 checked = 0                                                       # process group to report a (probe) group's size
 for etp_rank in range(2):
     for f in ("get_expert_tensor_parallel_world_size", "get_tensor_model_parallel_world_size"):

@@ -38,6 +38,8 @@ _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$
 _EXPERT_PARAM = re.compile(r"\.experts\.(?:local_experts\.|linear_fc)")  # megatron-bridge's ``is_expert``
 #: megatron-core's TE grouped expert linears and the split megatron-bridge's AutoMapping gives each class
 GROUPED_LINEARS = {"TEColumnParallelGroupedLinear": "column", "TERowParallelGroupedLinear": "row"}
+#: module classes (by name part) whose ``weight`` megatron-core always splits over their tensor-parallel group
+_SPLIT_WEIGHT_MODULES = ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
 _GROUPED_PARAM = re.compile(r"^(weight|bias)(\d+)$")
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -234,6 +236,12 @@ def param_keys(model_chunks: Iterable[torch.nn.Module]) -> Dict[int, ParamKey]:
                         f"{local_name} ({type(module).__name__}) has partition_dim {dim} but tensor_model_parallel "
                         f"unset or False at tensor parallel size {_tp(p, expert)[0]}: Fair Cast cannot tell whether "
                         f"it is split. Run it at (expert) tensor parallel size 1")
+                if (not split and param_name == "weight" and _tp(p, expert)[0] > 1
+                        and any(m in type(module).__name__ for m in _SPLIT_WEIGHT_MODULES)):
+                    raise LayoutError(
+                        f"{local_name}: the weight of a {type(module).__name__}, which megatron-core splits over its "
+                        f"tensor-parallel group (size {_tp(p, expert)[0]}), is not marked tensor_model_parallel: its "
+                        f"split cannot be told with certainty. Run it at (expert) tensor parallel size 1")
                 tp_size, tp_rank = _tp(p, expert) if split else (1, 0)
                 dim = dim if split else -1
                 stride = int(getattr(p, "partition_stride", 1)) if split else 1

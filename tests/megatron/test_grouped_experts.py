@@ -158,6 +158,17 @@ def test_a_param_with_a_partition_dim_but_no_tensor_model_parallel_is_refused_un
     on_rank(1, 0, 1, 0)
     assert param_keys([model])[id(model.proj.weight)].partition_dim == -1  # TP 1: nothing is split
 
+    class TEColumnParallelLinear(torch.nn.Linear):  # a module class megatron-core always splits, unmarked
+        pass
+
+    on_rank(1, 0, 2, 0)
+    model = torch.nn.Module()
+    model.proj = TEColumnParallelLinear(4, 4, bias=False).to(torch.bfloat16)
+    with pytest.raises(LayoutError, match="TEColumnParallelLinear.*not marked tensor_model_parallel"):
+        param_keys([model])
+    model.proj.weight.tensor_model_parallel, model.proj.weight.partition_dim = True, 0
+    assert param_keys([model])[id(model.proj.weight)].tp_size == 2
+
 
 QWEN3_MOE = """
 import sys, torch

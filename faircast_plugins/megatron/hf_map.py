@@ -123,12 +123,36 @@ class ElementMap:
 Lookup = Callable[[str], Any]
 
 
+#: Overrides of megatron-bridge's per-model post-export hook ``MegatronModelBridge.maybe_modify_converted_hf_weight``
+#: (run by ``stream_weights_megatron_to_hf`` on every mapping's output, after the converter) that were read and leave
+#: the converted weights as they are: DeepSeek-V3's only adds the ``rotary_emb.inv_freq`` buffer (bridge 0.3.1, 0.5.1).
+HARMLESS_EXPORT_HOOKS = ("megatron.bridge.models.deepseek.deepseek_v3_bridge.DeepSeekV3Bridge",)
+EXPORT_HOOK = "maybe_modify_converted_hf_weight"
+
+
+def check_export_hook(model_bridge) -> None:
+    """Refuse a model bridge whose post-export hook can change the exported weights after the converter Fair Cast
+    probes (MiMo swaps halves of ``eh_proj``, Kimi-K2.5-VL re-quantizes experts to INT4, Gemma4 rescales the router):
+    the served elements would not be where, or what, the element map says."""
+    for cls in type(model_bridge).__mro__:
+        if EXPORT_HOOK in vars(cls):
+            where = f"{cls.__module__}.{cls.__qualname__}"
+            if cls.__name__ == "MegatronModelBridge" or where in HARMLESS_EXPORT_HOOKS:
+                return
+            raise ConverterError(
+                f"megatron-bridge's {type(model_bridge).__name__} post-processes the exported weights ({where}."
+                f"{EXPORT_HOOK}: after the converter, it may permute, rescale or quantize them), which Fair Cast's "
+                f"element map does not see: the served bits would not be the keyed fair_cast of the master. Not "
+                f"supported for this model; pass converters= that export exactly what is served, or turn Fair Cast off")
+
+
 def converter_lookup(bridge=None, converters: Optional[Mapping[str, Any]] = None) -> Lookup:
-    """``megatron name -> converter`` from megatron-bridge (an ``AutoBridge``, a ``MegatronModelBridge`` or its
-    ``MegatronMappingRegistry``), from an explicit ``{megatron name: converter}`` map, or from a callable ``lookup(
-    megatron name) -> converter or None`` (slime: :func:`faircast_plugins.megatron.slime.slime_converters`). A
-    converter is a bridge param mapping (``megatron_to_hf(weights, module) -> {hf name: tensor}``) or a callable
-    ``f(full TP=1 tensor) -> {hf name: tensor}`` that only rearranges elements."""
+    """``megatron name -> converter`` from megatron-bridge (an ``AutoBridge`` or a ``MegatronModelBridge``: a model
+    bridge whose post-export hook changes weights is refused, :func:`check_export_hook`), from an explicit
+    ``{megatron name: converter}`` map, or from a callable ``lookup(megatron name) -> converter or None`` (slime:
+    :func:`faircast_plugins.megatron.slime.slime_converters`). A converter is a bridge param mapping
+    (``megatron_to_hf(weights, module) -> {hf name: tensor}``) or a callable ``f(full TP=1 tensor) -> {hf name:
+    tensor}`` that only rearranges elements."""
     if (bridge is None) == (converters is None):
         raise ValueError("pass exactly one of bridge= and converters=")
     if converters is not None:
@@ -136,15 +160,18 @@ def converter_lookup(bridge=None, converters: Optional[Mapping[str, Any]] = None
             return converters
         table = dict(converters)
         return table.get
-    registry = bridge
-    if hasattr(registry, "_model_bridge") and not hasattr(registry, "megatron_to_hf_lookup"):  # AutoBridge
-        registry = registry._model_bridge
-    if hasattr(registry, "mapping_registry") and not hasattr(registry, "megatron_to_hf_lookup"):  # model bridge
-        registry = registry.mapping_registry()
-    if not hasattr(registry, "megatron_to_hf_lookup"):
-        raise ValueError(f"{type(bridge).__name__} is not a megatron-bridge AutoBridge, MegatronModelBridge or "
-                         f"MegatronMappingRegistry (the vanilla mbridge is not supported); pass converters= instead")
-    return registry.megatron_to_hf_lookup
+    model_bridge = bridge
+    if hasattr(model_bridge, "_model_bridge") and not hasattr(model_bridge, "mapping_registry"):  # AutoBridge
+        model_bridge = model_bridge._model_bridge
+    if hasattr(model_bridge, "megatron_to_hf_lookup"):
+        raise ValueError(f"bridge= got a {type(bridge).__name__} (megatron-bridge's mapping registry): pass the AutoBridge "
+                         f"or its model bridge, whose export may post-process the converted weights "
+                         f"({EXPORT_HOOK}), which the registry alone does not say")
+    if not hasattr(model_bridge, "mapping_registry"):
+        raise ValueError(f"{type(bridge).__name__} is not a megatron-bridge AutoBridge or MegatronModelBridge (the "
+                         f"vanilla mbridge is not supported); pass converters= instead")
+    check_export_hook(model_bridge)
+    return model_bridge.mapping_registry().megatron_to_hf_lookup
 
 
 def hf_vocab_size_of(bridge) -> Optional[int]:

@@ -164,9 +164,9 @@ class MegatronFairCast:
     def _check(self) -> Optional[str]:
         """Why the data-parallel ranks of some optimizer did not cast each bf16 element exactly once (None if fine).
 
-        A collective over each distributed optimizer's data-parallel group."""
-        if self.problem:
-            return self.problem
+        A collective over each distributed optimizer's data-parallel group: every rank runs all of them, whatever it
+        found (a rank that returned early would wait in the next collective while its peers wait in this one)."""
+        found = self.problem
         for opt in _sub_optimizers(self.optimizer):
             if getattr(opt, "is_stub_optimizer", False):
                 continue
@@ -177,12 +177,38 @@ class MegatronFairCast:
                 total = torch.tensor([cast], dtype=torch.int64, device=first_device(opt))
                 torch.distributed.all_reduce(total, group=group)
                 cast = int(total.item())
-            if cast != owned:
-                return (f"Fair Cast cast {cast} elements of the {owned} bf16 elements of {type(opt).__name__} over its "
-                        f"data-parallel ranks in this step with megatron-core {_installed()}: part of the served bf16 "
-                        f"copy was written outside Fair Cast (round-to-nearest) or twice. This megatron-core version or "
-                        f"configuration is not supported.")
-        return None
+            if cast != owned and found is None:
+                found = (f"Fair Cast cast {cast} elements of the {owned} bf16 elements of {type(opt).__name__} over its "
+                         f"data-parallel ranks in this step with megatron-core {_installed()}: part of the served bf16 "
+                         f"copy was written outside Fair Cast (round-to-nearest) or twice. This megatron-core version or "
+                         f"configuration is not supported.")
+        return found
+
+    def offload_state(self) -> int:
+        """Move this rank's per-element Fair Cast state (error-feedback residuals and their last served copies, EMA)
+        to host memory, pinned where CUDA is available, e.g. while the trainer offloads its optimizer for the rollout
+        (verl: ``MegatronEngine.to("cpu", optimizer=True)``); each cast moves its piece back next to its master. Returns
+        the bytes moved off the device."""
+        moved = 0
+        pin = torch.cuda.is_available()
+
+        def host(t):
+            nonlocal moved
+            if t is None or t.device.type == "cpu":
+                return t
+            moved += t.numel() * t.element_size()
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            out.copy_(t, non_blocking=pin)
+            return out
+
+        caster = self.caster
+        for state in caster._ef.values():
+            state.residual, state.served = host(state.residual), host(state.served)
+        for name, t in list(caster._ema.items()):
+            caster._ema[name] = host(t)
+        if moved and pin:
+            torch.cuda.synchronize()  # the device copies may be freed once this returns
+        return moved
 
     def metrics(self) -> dict:
         """The ``faircast/*`` metrics since the last call, the audit's sums added over every rank (a collective with
@@ -199,7 +225,8 @@ class MegatronFairCast:
         ranges = []
         for opt in _sub_optimizers(self.optimizer):
             if type(opt).__name__ == "DistributedOptimizer":
-                ranges += [(self.keys[id(p)].name, s, e) for _, p, s, e, _ in dp_ranges(opt) if id(p) in self.keys]
+                ranges += [(self.keys[id(p)].name, s, e) for _, p, s, e, _ in dp_ranges(opt, destinations=False)
+                           if id(p) in self.keys]
             else:
                 ranges += [(self.keys[id(p)].name, 0, p.numel()) for _, p in float16_pairs(opt) if id(p) in self.keys]
         return {"ranges": sorted(ranges)}
@@ -387,7 +414,7 @@ def cast_ranges(subs) -> List[Tuple[torch.nn.Parameter, int, int]]:
     out = []
     for opt in subs:
         if type(opt).__name__ == "DistributedOptimizer":
-            out += [(p, s, e) for _, p, s, e, _ in dp_ranges(opt)]
+            out += [(p, s, e) for _, p, s, e, _ in dp_ranges(opt, destinations=False)]
         elif not getattr(opt, "is_stub_optimizer", False):
             out += [(p, 0, p.numel()) for _, p in float16_pairs(opt)]
     return out
@@ -459,7 +486,7 @@ def refused_options(opt):
     if getattr(config, "use_precision_aware_optimizer", False):
         yield ("the precision-aware optimizer (use_precision_aware_optimizer): the main->model copy happens inside "
                "TransformerEngine's FusedAdam, outside the copy Fair Cast patches. Set use_precision_aware_optimizer="
-               "False (verl sets it for fp16 and for optimizer offload)")
+               "False (verl sets it for fp16 and when actor.optim.use_precision_aware_optimizer=true)")
     if getattr(config, "optimizer_cpu_offload", False):
         yield ("optimizer CPU offload (optimizer_cpu_offload, HybridDeviceOptimizer): the masters are updated and copied "
                "back by the hybrid optimizer, not yet tested with Fair Cast. Keep the optimizer on the GPU")
@@ -483,4 +510,8 @@ def refused_model_options(model_chunks):
         if getattr(config, "fp8", None) or getattr(config, "fp4", None):
             yield ("fp8/fp4 training (TransformerConfig.fp8/fp4): the forward reads quantized weights, not the bf16 copy "
                    "Fair Cast writes. Train in bf16")
+            return
+        if getattr(config, "quant_recipe", None) or getattr(config, "use_kitchen", False):
+            yield ("per-layer quantization (TransformerConfig.quant_recipe / use_kitchen): the forward reads quantized "
+                   "weights, not the bf16 copy Fair Cast writes. Train in bf16 without a quantization recipe")
             return

@@ -14,15 +14,18 @@ values (:mod:`.hf_map`).
     from faircast_plugins.megatron.slime import slime_converters
 
     fc = apply_megatron_patch(optimizer, caster, model_chunks=model,
-                              converters=slime_converters(args, model_name), hf_vocab_size=args.vocab_size)
+                              converters=slime_converters(args, model_name, self.hf_config),
+                              hf_vocab_size=args.vocab_size)
 
 ``model_name`` is what slime's actor gives its weight updater: ``args.model_name``, else
-``type(hf_config).__name__.lower()``. slime is imported here, when called, not by this module.
+``type(hf_config).__name__.lower()``; ``hf_config`` the actor's HF config, whose ``quantization_config`` slime's weight
+updater passes to ``convert_to_hf`` (``backends/megatron_utils/actor.py``). slime is imported here, when called, not by
+this module.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Dict
+from typing import Any, Callable, Dict
 
 from .hf_map import ConverterError
 
@@ -47,22 +50,40 @@ def slime_convert_to_hf() -> Callable:
     return convert
 
 
-def slime_converters(args, model_name: str, quantization_config=None) -> Callable[[str], Callable]:
+_REQUIRED: Any = object()
+
+
+def _quantization_config(hf_config):
+    if isinstance(hf_config, dict):
+        return hf_config.get("quantization_config")
+    return getattr(hf_config, "quantization_config", None)
+
+
+def slime_converters(args, model_name: str, hf_config=_REQUIRED) -> Callable[[str], Callable]:
     """``Megatron name -> converter`` through slime's ``convert_to_hf(args, model_name, ...)``: each converter takes
     the full (TP=1) tensor of one param and returns ``{HF name: tensor}``, as slime's weight sync exports it.
 
     ``args``: slime's Megatron arguments (``vocab_size``, ``hidden_size``, ``num_attention_heads``,
     ``num_query_groups``, ``kv_channels``, ``q_lora_rank``, ... as slime's converters read them). Pass
-    ``hf_vocab_size=args.vocab_size`` to :func:`~.patch.apply_megatron_patch` with it. Refused: a rollout
-    ``quantization_config`` (the export quantizes the bf16 params: they are not what is served) and
-    ``args.q_lora_rank`` (slime pairs the MLA ``q_a_proj`` and ``kv_a_proj_with_mqa`` exports across calls through a
-    module-level cache, which a converter run one param at a time would leave filled)."""
+    ``hf_vocab_size=args.vocab_size`` to :func:`~.patch.apply_megatron_patch` with it. ``hf_config``: the actor's HF
+    config (slime's ``self.hf_config``); required, because slime's weight updater quantizes the export when it carries a
+    ``quantization_config``. Refused: such a ``quantization_config`` (fp8 / int4: the served weights are not the bf16
+    params Fair Cast casts) and ``args.q_lora_rank`` (slime pairs the MLA ``q_a_proj`` and ``kv_a_proj_with_mqa``
+    exports across calls through a module-level cache, which a converter run one param at a time would leave
+    filled)."""
+    if hf_config is _REQUIRED or hf_config is None:
+        raise ConverterError(
+            "slime_converters(args, model_name, hf_config): pass the actor's HF config (slime's self.hf_config). slime's "
+            "weight updater quantizes the exported weights when hf_config.quantization_config is set, and Fair Cast "
+            "must refuse that: the served weights would not be the bf16 params it casts")
     convert_to_hf = slime_convert_to_hf()
+    quantization_config = _quantization_config(hf_config)
     if quantization_config is not None:
         raise ConverterError(
-            f"slime's export quantizes the weights for the rollout (quantization_config "
-            f"{quantization_config.get('quant_method', quantization_config) if isinstance(quantization_config, dict) else quantization_config!r}): "
-            f"the served weights are not the bf16 params Fair Cast casts. Serve bf16 weights to use Fair Cast")
+            f"slime's export quantizes the weights for the rollout (hf_config.quantization_config "
+            f"{quantization_config.get('quant_method', quantization_config) if isinstance(quantization_config, dict) else getattr(quantization_config, 'quant_method', quantization_config)!r}): "
+            f"the served weights are not the bf16 params Fair Cast casts. Serve a bf16 checkpoint (no "
+            f"quantization_config in the HF config) to use Fair Cast")
     if getattr(args, "q_lora_rank", None) is not None:
         raise ConverterError(
             "slime exports MLA's q_a_proj and kv_a_proj_with_mqa in pairs held in a module-level cache between calls "

@@ -26,7 +26,10 @@ def _plain(value: Any) -> Any:
 #: ``allow_merged_lora``: accept ``model.lora.merge=true``, whose loss cannot run on the served merged weight.
 #: ``fp8_loss``: with ``rollout.quantization: fp8``, the actor's forward runs its quantized linear layers on the
 #: dequantized fp8 copy (fp32 GEMMs, straight-through gradient; ``verl/fp8.py::enable_fp8_loss``).
-VERL_OPTIONS = ("allow_merged_lora", "fp8_loss")
+#: ``resume_without_state``: (Megatron engine) resume from a checkpoint that holds no Fair Cast state (written without
+#: Fair Cast): the weight version restarts at 0 and residuals / EMA start empty, so use a ``seed`` no earlier run of
+#: this model used. Without it such a resume is refused (verl/megatron.py).
+VERL_OPTIONS = ("allow_merged_lora", "fp8_loss", "resume_without_state")
 
 FP8_LOSS_NEEDS_FP8 = (
     "actor_rollout_ref.faircast.fp8_loss: true (the actor's forward on the dequantized fp8 copy) needs "
@@ -128,6 +131,8 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     if strategy == MEGATRON_STRATEGY:
         check_megatron(config, worker_config)
         return
+    if verl_option(worker_config, "resume_without_state"):
+        raise ValueError("actor_rollout_ref.faircast.resume_without_state applies to actor.strategy=megatron only")
     if strategy not in FSDP_STRATEGIES:
         raise ValueError(
             f"actor_rollout_ref.faircast is set but actor.strategy={strategy!r}: Fair Cast for verl supports the FSDP "
@@ -203,6 +208,42 @@ def check_megatron(config: FairCastConfig, worker_config: Any) -> None:
         if megatron.get(option, False):
             raise ValueError(f"actor_rollout_ref.faircast with actor.strategy=megatron does not support "
                              f"actor.megatron.{option}=true: {why}.")
+    ddp = megatron.get("override_ddp_config", {}) or {}
+    if ddp.get("overlap_param_gather", False):
+        raise ValueError(
+            "actor_rollout_ref.faircast with actor.strategy=megatron does not support "
+            "actor.megatron.override_ddp_config.overlap_param_gather=true: Megatron then all-gathers the updated params "
+            "in the next forward, but verl exports them right after the step, so the rollout would get the other "
+            "data-parallel ranks' params of the previous version. Remove overlap_param_gather (slime and NeMo-RL sync "
+            "the params before they leave; verl does not).")
+    optim = worker_config.actor.get("optim", {}) or {}
+    override = optim.get("override_optimizer_config", {}) or {}
+    for option, why in (
+        ("use_precision_aware_optimizer", "the main->model copy runs inside TransformerEngine's FusedAdam, outside the "
+                                          "copy Fair Cast patches; set it to false"),
+        ("optimizer_cpu_offload", "the hybrid CPU optimizer updates and copies back the masters itself, not tested with "
+                                  "Fair Cast; keep the optimizer on the GPU (actor.megatron.optimizer_offload=true, "
+                                  "which offloads between steps, is fine)"),
+        ("use_layer_wise_distributed_optimizer", "the layer-wise (Muon) optimizer keeps and copies the params "
+                                                 "elsewhere; use Adam with the distributed optimizer"),
+        ("fp8_param_gather", "the params are gathered quantized; gather bf16 params"),
+    ):
+        if optim.get(option, False) or override.get(option, False):
+            raise ValueError(f"actor_rollout_ref.faircast with actor.strategy=megatron does not support "
+                             f"actor.optim.{option} (or override_optimizer_config.{option}): {why}.")
+    model_overrides = megatron.get("override_transformer_config", {}) or {}
+    for option, why in (
+        ("fp8", "the forward reads quantized weights, not the bf16 copy Fair Cast writes"),
+        ("fp4", "the forward reads quantized weights, not the bf16 copy Fair Cast writes"),
+        ("quant_recipe", "per-layer quantization recipes quantize the weights the forward reads"),
+        ("use_kitchen", "Kitchen quantized layers read quantized weights"),
+        ("moe_single_grouped_weight", "one grouped weight for all local experts is not keyed per expert; set it false"),
+        ("moe_single_grouped_bias", "one grouped bias for all local experts is not keyed per expert; set it false"),
+        ("layernorm_zero_centered_gamma", "the export adds 1 to the norm weight in bf16, a second rounding"),
+    ):
+        if model_overrides.get(option, None):
+            raise ValueError(f"actor_rollout_ref.faircast with actor.strategy=megatron does not support "
+                             f"actor.megatron.override_transformer_config.{option}: {why}.")
     if (megatron.get("qat", {}) or {}).get("enable", False):
         raise ValueError("actor_rollout_ref.faircast with actor.strategy=megatron does not support QAT "
                          "(actor.megatron.qat.enable): the QAT export re-quantizes the served copy.")

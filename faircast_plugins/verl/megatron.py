@@ -7,23 +7,32 @@ bf16 params that the optimizer's main->model copy writes, so patching that copy 
 both the loss and the served weights ``fair_cast(master)``; no export patch is needed. The engine's megatron-bridge
 ``AutoBridge`` (``engine.bridge``, the converters of that export) is passed on, so every element is keyed by the
 Hugging Face name and index it is exported as (docs/ROUNDING.md §1) and ``faircast export`` from the HF checkpoint
-of the master reproduces the served bits. Checkpoints: this rank's Fair Cast state is written next to verl's
-(``save_checkpoint`` / ``load_checkpoint``, l.774 / l.801).
+of the master reproduces the served bits. Checkpoints: this rank's Fair Cast state is written into verl's checkpoint
+directory *before* verl's ``save_checkpoint`` (l.774) runs, because that call finalises the checkpoint (its manifest,
+the HDFS upload, the retention of old checkpoints: ``MegatronCheckpointManager._finalize_save``); it is read before
+verl's ``load_checkpoint`` (l.801). A resume from a checkpoint without it is refused (the weight version would restart
+at 0 and reuse earlier noise; verl does not restore the step count by default), unless
+``actor_rollout_ref.faircast.resume_without_state=true``. When verl offloads the optimizer (``actor.megatron.
+optimizer_offload``: ``MegatronEngine.to("cpu", optimizer=True)`` around the rollout), Fair Cast's per-element state
+(error-feedback residual and served copy, 6 B per element of the DP shard; EMA, 4 B) goes to pinned host memory
+with it, and comes back at the next cast.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Optional
 
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..megatron import MegatronFairCast, apply_megatron_patch
-from ..patching import PatchSet
+from ..patching import FairCastPatchError, PatchSet
 
 logger = logging.getLogger("faircast_plugins")
 
 ATTR = "_faircast_megatron"  # the MegatronFairCast attached to a verl MegatronEngine
+FRESH_ATTR = "_faircast_resume_without_state"  # actor_rollout_ref.faircast.resume_without_state
 _ENGINE = "verl.workers.engine.megatron.transformer_impl:MegatronEngine"
 
 
@@ -31,9 +40,10 @@ def state_of(engine) -> Optional[MegatronFairCast]:
     return getattr(engine, ATTR, None)
 
 
-def activate(engine, config: FairCastConfig) -> MegatronFairCast:
+def activate(engine, config: FairCastConfig, *, resume_without_state: bool = False) -> MegatronFairCast:
     """Attach Fair Cast to a built verl ``MegatronEngine`` (after ``initialize``): its optimizer's main->model copy
-    follows ``config``. Raises ValueError / FairCastPatchError for what it cannot serve exactly."""
+    follows ``config``. Raises ValueError / FairCastPatchError for what it cannot serve exactly.
+    ``resume_without_state``: accept a ``load_checkpoint`` of a checkpoint without Fair Cast state."""
     if getattr(engine, "_qat_enabled", False):
         raise ValueError("actor_rollout_ref.faircast with QAT is not supported: the QAT export re-quantizes the served copy")
     if getattr(engine, "optimizer", None) is None:
@@ -42,39 +52,83 @@ def activate(engine, config: FairCastConfig) -> MegatronFairCast:
     if getattr(engine, "vanilla_bridge", False):
         raise ValueError("actor_rollout_ref.faircast with the vanilla mbridge (vanilla_mbridge=True) is not supported: "
                          "Fair Cast keys the served weights through megatron-bridge's converters; set vanilla_mbridge=False")
+    if _overlaps_param_gather(engine):
+        raise ValueError("actor_rollout_ref.faircast on verl's Megatron engine does not support overlap_param_gather "
+                         "(actor.megatron.override_ddp_config): Megatron all-gathers the updated params in the next "
+                         "forward, but verl exports them right after the step, so the rollout would get the other "
+                         "data-parallel ranks' params of the previous version. Remove overlap_param_gather")
     PATCHES.apply(details="Fair Cast state saved and loaded with verl's Megatron checkpoints")
     bridge = getattr(engine, "bridge", None)  # None: an engine built without a bridge keeps Megatron-native keys
     fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module), bridge=bridge)
     setattr(engine, ATTR, fc)
+    setattr(engine, FRESH_ATTR, bool(resume_without_state))
     return fc
 
 
-def _then(action):
+def _overlaps_param_gather(engine) -> bool:
+    chunks = list(getattr(engine, "module", None) or [])
+    if any(getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False) for c in chunks):
+        return True
+    optimizer = getattr(engine, "optimizer", None)
+    subs = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    return any(getattr(getattr(o, "config", None), "overlap_param_gather", False) for o in subs if o is not None)
+
+
+def _first(action):
+    """Run ``action`` before the engine's checkpoint method (verl finalises a save inside it)."""
     def factory(original):
         @functools.wraps(original)
         def wrapper(self, local_path, *args, **kwargs):
-            result = original(self, local_path, *args, **kwargs)
             fc = state_of(self)
             if fc is not None:
-                action(self, fc, local_path, kwargs)
-            return result
+                action(self, fc, local_path)
+            return original(self, local_path, *args, **kwargs)
 
         return wrapper
 
     return factory
 
 
-def _save(engine, fc, local_path, kwargs):
+def _save(engine, fc, local_path):
+    os.makedirs(local_path, exist_ok=True)  # what verl's local_mkdir_safe does next
     fc.save(local_path)
 
 
-def _load(engine, fc, local_path, kwargs):
-    scheduler = getattr(engine, "lr_scheduler", None)
-    fc.load(local_path, step=getattr(scheduler, "num_steps", None))
+def _load(engine, fc, local_path):
+    path = fc.state_path(local_path)
+    if not os.path.exists(path):
+        if not getattr(engine, FRESH_ATTR, False):
+            raise FairCastPatchError(
+                f"resuming verl's Megatron actor from {local_path} with Fair Cast ({fc.caster.config.describe()}): the "
+                f"checkpoint holds no Fair Cast state ({os.path.basename(path)}; written without Fair Cast, at another "
+                f"world size, or by a version that wrote it after verl had finalised and uploaded the checkpoint). "
+                f"Resuming would restart the weight version at 0 and reuse its noise (and lose error-feedback residuals "
+                f"or the EMA). Resume from a checkpoint saved with Fair Cast on, or accept a fresh start with "
+                f"actor_rollout_ref.faircast.resume_without_state=true and a faircast.seed no earlier run used")
+        logger.warning("Fair Cast: %s holds no Fair Cast state; resume_without_state=true: weight version %d, "
+                       "residuals/EMA empty (use a seed no earlier run of this model used)", local_path, fc.caster.version)
+        return
+    fc.load(local_path)
+
+
+def _wrap_to(original):
+    @functools.wraps(original)
+    def to(self, device, model: bool = True, optimizer: bool = True, grad: bool = True, *args, **kwargs):
+        result = original(self, device, model, optimizer, grad, *args, **kwargs)
+        fc = state_of(self)
+        if fc is not None and optimizer and str(device) == "cpu":
+            moved = fc.offload_state()
+            if moved:
+                logger.info("Fair Cast: %.1f MB of error-feedback/EMA state to host memory with verl's optimizer",
+                            moved / 2**20)
+        return result
+
+    return to
 
 
 PATCHES = (
     PatchSet("verl Megatron engine", "verl", ">=0.9.1,<0.10")
-    .wrap(f"{_ENGINE}.save_checkpoint", _then(_save))
-    .wrap(f"{_ENGINE}.load_checkpoint", _then(_load))
+    .wrap(f"{_ENGINE}.to", _wrap_to)
+    .wrap(f"{_ENGINE}.save_checkpoint", _first(_save))
+    .wrap(f"{_ENGINE}.load_checkpoint", _first(_load))
 )

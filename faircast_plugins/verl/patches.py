@@ -117,7 +117,8 @@ def _wrap_init_model(original):
         if advice is not None:
             getattr(logger, advice[0])(advice[1])
         if self.config.actor.strategy == MEGATRON_STRATEGY:
-            fc = verl_megatron.activate(engine, config)
+            fc = verl_megatron.activate(engine, config,
+                                        resume_without_state=verl_option(self.config, "resume_without_state"))
             logger.warning("Fair Cast ACTIVE on the verl actor (role=%s, strategy=megatron): %s; %d bf16 params cast "
                            "by Megatron-core's main->model copy (the loss and the export read them)",
                            self.role, config.describe(), len(fc.keys))

@@ -65,9 +65,10 @@ def install(roots=("transformer_engine", "triton")) -> None:
         sys.meta_path.insert(0, _Finder(missing))
 
 
-def llama_mapping_registry():
-    """megatron-bridge's LlamaBridge mapping registry (the converters verl's export runs), or None if not installed.
-    Build it after Megatron's model parallelism is initialised: each mapping keeps the process groups of then."""
+def llama_model_bridge():
+    """megatron-bridge's LlamaBridge (the model bridge whose mappings verl's export runs), or None if not installed.
+    Use it after Megatron's model parallelism is initialised: each mapping keeps the process groups of when its
+    ``mapping_registry()`` is built."""
     import importlib.util
 
     if importlib.util.find_spec("megatron.bridge") is None:
@@ -75,4 +76,10 @@ def llama_mapping_registry():
     install()
     from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 
-    return LlamaBridge().mapping_registry()
+    return LlamaBridge()
+
+
+def llama_mapping_registry():
+    """:func:`llama_model_bridge`'s mapping registry, or None."""
+    bridge = llama_model_bridge()
+    return None if bridge is None else bridge.mapping_registry()

@@ -111,14 +111,48 @@ def test_converter_lookup_takes_an_autobridge_a_model_bridge_or_a_registry():
     registry = SimpleNamespace(megatron_to_hf_lookup=lambda name: f"mapping of {name}")
     model_bridge = SimpleNamespace(mapping_registry=lambda: registry)
     auto = SimpleNamespace(_model_bridge=model_bridge, hf_pretrained=SimpleNamespace(config=SimpleNamespace(vocab_size=90)))
-    for source in (auto, model_bridge, registry):
+    for source in (auto, model_bridge):
         assert converter_lookup(source)("w") == "mapping of w"
+    with pytest.raises(ValueError, match="pass the AutoBridge or its model bridge"):  # cannot tell its export hook
+        converter_lookup(registry)
     assert hf_vocab_size_of(auto) == 90 and hf_vocab_size_of(registry) is None
     assert converter_lookup(converters={"w": 1})("w") == 1
     with pytest.raises(ValueError, match="vanilla mbridge"):
         converter_lookup(SimpleNamespace(export_weights=lambda m: None))
     with pytest.raises(ValueError, match="exactly one"):
         converter_lookup()
+
+
+class MegatronModelBridge:  # megatron-bridge's base class (only its name and hook matter here)
+    def mapping_registry(self):
+        return _Registry()
+
+    def maybe_modify_converted_hf_weight(self, task, converted, hf_state_dict):
+        return converted
+
+
+class _Registry:
+    def megatron_to_hf_lookup(self, name):
+        return f"mapping of {name}"
+
+
+def test_a_model_bridge_whose_export_hook_changes_weights_is_refused():
+    """megatron-bridge runs ``maybe_modify_converted_hf_weight`` after every mapping (MiMo swaps halves, Kimi-K2.5-VL
+    re-quantizes): a model bridge that overrides it is refused, the base hook is not (megatron-review.md finding 5)."""
+    from faircast_plugins.megatron.hf_map import converter_lookup
+
+    class LlamaBridge(MegatronModelBridge):
+        pass
+
+    class MimoBridge(MegatronModelBridge):
+        def maybe_modify_converted_hf_weight(self, task, converted, hf_state_dict):
+            return {k: torch.cat(torch.chunk(v, 2, dim=-1)[::-1], dim=-1) for k, v in converted.items()}
+
+    assert converter_lookup(LlamaBridge())("w") == "mapping of w"
+    with pytest.raises(ConverterError, match=r"MimoBridge post-processes the exported weights.*maybe_modify_converted"):
+        converter_lookup(MimoBridge())
+    with pytest.raises(ConverterError, match="MimoBridge"):  # through an AutoBridge
+        converter_lookup(type("AutoBridge", (), {"_model_bridge": MimoBridge()})())
 
 
 AUTOBRIDGE = """
@@ -133,6 +167,15 @@ from faircast_plugins.megatron.hf_map import converter_lookup, hf_vocab_size_of
 bridge = AutoBridge.from_hf_config(LlamaConfig(vocab_size=90, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                                intermediate_size=96, num_hidden_layers=2, architectures=["LlamaForCausalLM"]))
 mapping = converter_lookup(bridge)("decoder.layers.1.self_attention.linear_qkv.weight")
+from megatron.bridge.models.deepseek.deepseek_v3_bridge import DeepSeekV3Bridge
+from megatron.bridge.models.qwen_vl.qwen3_vl_bridge import Qwen3VLMoEBridge
+from faircast_plugins.megatron.hf_map import ConverterError
+converter_lookup(DeepSeekV3Bridge())  # its hook only adds rotary inv_freq: accepted
+try:
+    converter_lookup(Qwen3VLMoEBridge())
+    print("hook accepted")
+except ConverterError as exc:
+    print("hook refused" if "Qwen3VLMoEBridge" in str(exc) else exc)
 print(type(mapping).__name__, mapping.hf_param["k"], hf_vocab_size_of(bridge))
 """
 
@@ -152,7 +195,8 @@ def test_a_real_autobridge_gives_its_mappings_and_vocab_size():
     proc = subprocess.run([sys.executable, "-c", AUTOBRIDGE.format(root=root)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-3:] == ["QKVMapping", "model.layers.1.self_attn.k_proj.weight", "90"], proc.stdout
+    assert proc.stdout.split()[-5:] == ["hook", "refused", "QKVMapping", "model.layers.1.self_attn.k_proj.weight",
+                                        "90"], proc.stdout
 
 
 class _GatedLikeBridge:

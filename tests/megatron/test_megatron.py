@@ -19,9 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 # the HF-keyed scenarios last: with megatron-bridge installed they import it behind TransformerEngine stand-ins
 WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass",
-       "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals"]
+       "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals", "hf_offload"]
 WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2", "hf_pp2",
-       "hf_ep2"]
+       "hf_ep2", "check_one_rank"]  # check_one_rank last: before its fix it hung until the gloo timeout
 WS4 = ["tp2", "tp2_off", "hf_tp2"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600
 
@@ -200,7 +200,7 @@ def _bridge_expected() -> bool:
 
 @pytest.mark.parametrize("launch,name", [("ws1", "hf"), ("ws1", "hf_tied"), ("ws1", "hf_f16"), ("ws1", "hf_resume"),
                                          ("ws1", "hf_ema_resume"), ("ws2", "hf"), ("ws2", "hf_tp2"), ("ws2", "hf_pp2"),
-                                         ("ws2", "hf_ep2"), ("ws4", "hf_tp2")])
+                                         ("ws2", "hf_ep2"), ("ws4", "hf_tp2"), ("ws1", "hf_offload")])
 def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(request, launch, name):
     """With converters (megatron-bridge's LlamaBridge where installed, else hand-written stand-ins): the served
     params, exported to HF tensors through the converters, are what ``faircast export`` serves from the HF
@@ -212,7 +212,8 @@ def test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint(requ
         assert r["steps_ok"] and r["version"] == 2
         assert hf["bridge"] == _bridge_expected(), hf["bridge"]
         # the bridge's own megatron_to_hf (TP2: its TP gather) is the export wherever it can run without PP/EP
-        assert hf["real_export"] == (hf["bridge"] and name in ("hf", "hf_tied", "hf_f16", "hf_tp2", "hf_resume"))
+        assert hf["real_export"] == (hf["bridge"] and name in ("hf", "hf_tied", "hf_f16", "hf_tp2", "hf_resume",
+                                                                  "hf_offload"))
         assert hf["mismatches"] == [], f"{name} ({launch}): served != faircast export for {hf['mismatches']}"
         assert hf["differs_from_rtn"] == len(hf["hf_names"]) > 0
         held = set(hf["hf_names"])
@@ -241,3 +242,19 @@ def test_hf_keying_refusals_name_the_param(ws1):
     (r,) = _ranks(ws1, "hf_refusals")
     assert all(v == "refused" for v in r.values()), r
     assert ("bridge_zero_centred" in r) == _bridge_expected()
+
+
+def test_param_offload_attach_and_checkpoints_with_bucket_storage_resized_to_0(ws1):
+    """verl's actor.megatron.param_offload=True: Fair Cast attaches, saves and loads while every DDP buffer's storage
+    is resized to 0 (megatron-review.md finding 2); the steps in between serve the HF-keyed fair_cast of the master
+    (test_hf_keyed_served_tensors_equal_faircast_export_of_the_hf_checkpoint[ws1-hf_offload])."""
+    for r in _ranks(ws1, "hf_offload"):
+        assert r["steps_ok"] and r["version"] == 2
+        assert r["offload_saved"] == ["faircast_state_rank00000.pt"], r
+
+
+def test_a_problem_on_one_rank_raises_on_every_rank(ws2):
+    """The per-step check reaches the same collectives on every rank whatever it found (finding 10): each raises."""
+    raised = [r.get("raised") for r in _ranks(ws2, "check_one_rank")]
+    assert "a problem on the last rank only" in raised[1], raised
+    assert "rank(s) [1]" in raised[0], raised

@@ -106,6 +106,9 @@ class StandInConvertToHF:
         raise ValueError(f"Unknown parameter name: {name}")
 
 
+HF_CONFIG = SimpleNamespace(quantization_config=None)  # slime's self.hf_config of a bf16 checkpoint
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     convert = StandInConvertToHF()
@@ -119,11 +122,11 @@ def test_missing_slime_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, fc_slime.CONVERTER_MODULE, None)  # not importable
     with pytest.raises(ImportError, match=r"slime's Megatron->HF converters \(slime\.backends\.megatron_utils\."
                                           r"megatron_to_hf.*THUDM/slime"):
-        fc_slime.slime_converters(slime_args(), "qwen2config")
+        fc_slime.slime_converters(slime_args(), "qwen2config", HF_CONFIG)
 
 
 def test_the_lookup_runs_convert_to_hf_under_slimes_names(stand_in):
-    lookup = fc_slime.slime_converters(slime_args(), "qwen2config")
+    lookup = fc_slime.slime_converters(slime_args(), "qwen2config", HF_CONFIG)
     emap = build_element_map(ParamKey("decoder.layers.3.mlp.linear_fc1.weight", (8, 3)),
                              lookup("decoder.layers.3.mlp.linear_fc1.weight"))
     assert emap.hf_shapes == {"model.layers.3.mlp.gate_proj.weight": (4, 3), "model.layers.3.mlp.up_proj.weight": (4, 3)}
@@ -136,7 +139,7 @@ def test_the_lookup_runs_convert_to_hf_under_slimes_names(stand_in):
 
 
 def test_a_param_slime_does_not_convert_is_refused_naming_it(stand_in):
-    lookup = fc_slime.slime_converters(slime_args(), "qwen2config")
+    lookup = fc_slime.slime_converters(slime_args(), "qwen2config", HF_CONFIG)
     key = ParamKey("decoder.layers.0.input_layernorm.weight", (4,))
     with pytest.raises(ConverterError, match=r"does not convert module\.module\.decoder\.layers\.0\.input_layernorm"):
         build_element_map(key, lookup(key.name))
@@ -146,7 +149,7 @@ def test_a_converter_that_adds_is_refused_by_the_self_check(monkeypatch):
     module = types.ModuleType(fc_slime.CONVERTER_MODULE)
     module.convert_to_hf = StandInConvertToHF(norm_plus_one=True)
     monkeypatch.setitem(sys.modules, fc_slime.CONVERTER_MODULE, module)
-    lookup = fc_slime.slime_converters(slime_args(), "qwen3nextconfig")
+    lookup = fc_slime.slime_converters(slime_args(), "qwen3nextconfig", HF_CONFIG)
     key = ParamKey("decoder.final_layernorm.weight", (8,))
     with pytest.raises(ConverterError, match=r"decoder\.final_layernorm\.weight through slime convert_to_hf"
                                              r"\[qwen3nextconfig\].*changes values"):
@@ -155,9 +158,20 @@ def test_a_converter_that_adds_is_refused_by_the_self_check(monkeypatch):
 
 def test_quantized_exports_and_mla_q_lora_are_refused(stand_in):
     with pytest.raises(ConverterError, match="quantizes.*fp8"):
-        fc_slime.slime_converters(slime_args(), "qwen2config", quantization_config={"quant_method": "fp8"})
+        fc_slime.slime_converters(slime_args(), "qwen2config", SimpleNamespace(quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(ConverterError, match="quantizes.*w4a16"):  # a transformers QuantizationConfig object, a dict
+        fc_slime.slime_converters(slime_args(), "qwen2config",
+                                  {"quantization_config": SimpleNamespace(quant_method="w4a16")})
     with pytest.raises(ConverterError, match="q_lora_rank"):
-        fc_slime.slime_converters(SimpleNamespace(**{**vars(slime_args()), "q_lora_rank": 8}), "deepseekv3config")
+        fc_slime.slime_converters(SimpleNamespace(**{**vars(slime_args()), "q_lora_rank": 8}), "deepseekv3config",
+                                  HF_CONFIG)
+
+
+def test_the_documented_call_without_the_hf_config_is_refused(stand_in):
+    """slime's updater reads quantization_config from the actor's HF config: a call that omits it could not refuse
+    an fp8 / int4 export (megatron-review.md finding 3)."""
+    with pytest.raises(ConverterError, match="pass the actor's HF config"):
+        fc_slime.slime_converters(slime_args(), "qwen2config")
 
 
 def test_apply_megatron_patch_takes_a_lookup_function():
@@ -198,7 +212,7 @@ def test_real_slime_qwen2_converters_key_the_tiny_gpt_by_transformers_names(real
     """slime's convert_to_hf for model 'qwen2config' (convert_qwen2_to_hf: fused QKV with bias, GQA 4/2; SwiGLU fc1;
     the TE-fused norms; the padded vocab dropped): every param's map is a bijection onto HF tensors that are
     exactly Qwen2ForCausalLM's parameters, names and shapes."""
-    lookup = fc_slime.slime_converters(slime_args(), "qwen2config")
+    lookup = fc_slime.slime_converters(slime_args(), "qwen2config", HF_CONFIG)
     params = te_spec_params(tied=tied, qkv_bias=True)
     maps, shapes = element_maps(lookup, params)
     assert shapes == hf_parameters("Qwen2Config", "Qwen2ForCausalLM", intermediate_size=FFN, tie_word_embeddings=tied)
@@ -207,7 +221,7 @@ def test_real_slime_qwen2_converters_key_the_tiny_gpt_by_transformers_names(real
 
 
 def test_real_slime_llama_converters_key_the_tiny_gpt_by_transformers_names(real_slime):
-    lookup = fc_slime.slime_converters(slime_args(), "llamaconfig")
+    lookup = fc_slime.slime_converters(slime_args(), "llamaconfig", HF_CONFIG)
     _, shapes = element_maps(lookup, te_spec_params())
     assert shapes == hf_parameters("LlamaConfig", "LlamaForCausalLM", intermediate_size=FFN, tie_word_embeddings=False)
 
@@ -215,7 +229,7 @@ def test_real_slime_llama_converters_key_the_tiny_gpt_by_transformers_names(real
 def test_real_slime_qwen3_moe_converters_key_experts_by_global_id(real_slime):
     """convert_qwen3moe_to_hf: grouped experts ``linear_fc1.weight<E>`` (E global, as Fair Cast's canonical names)
     -> ``mlp.experts.E.{gate,up,down}_proj``, the router, q/k norms: Qwen3MoeForCausalLM's parameters."""
-    lookup = fc_slime.slime_converters(slime_args(), "qwen3moeconfig")
+    lookup = fc_slime.slime_converters(slime_args(), "qwen3moeconfig", HF_CONFIG)
     _, shapes = element_maps(lookup, te_spec_params(qk_norm=True, experts=4))
     want = hf_parameters("Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=HEAD_DIM, intermediate_size=FFN,
                          moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
@@ -227,7 +241,7 @@ def test_real_slime_keys_equal_the_bridge_like_keys(real_slime):
     """The keys slime's converters give the fused QKV and SwiGLU fc1 are element for element those of
     megatron-bridge's QKVMapping / GatedMLPMapping layout (tests/megatron/hf_converters.py, which the worker checks
     against megatron-bridge 0.3.1): a model keyed through verl's bridge or through slime's sync casts alike."""
-    lookup = fc_slime.slime_converters(slime_args(), "qwen2config")
+    lookup = fc_slime.slime_converters(slime_args(), "qwen2config", HF_CONFIG)
     prefix = "model.layers.1."
     pairs = {
         "decoder.layers.1.self_attention.linear_qkv.weight": hf_converters.qkv(

@@ -64,6 +64,7 @@ SCENARIOS = {
     "hf_resume": dict(hf=True, resume=True), "hf_ema_resume": dict(hf=True, ema=0.5, resume=True),
     # slime's real converters (FAIRCAST_SLIME_SRC; tests/megatron/test_slime.py); TP2: and slime's own TP gather
     "hf_slime": dict(hf=True, slime=True), "hf_slime_tp2": dict(hf=True, slime=True, tp=2),
+    "hf_offload": dict(hf=True, offload=True), "check_one_rank": dict(special=True),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -239,14 +240,15 @@ def check(model, optimizer, fc, version, faircast, sources=None):
 
 def converters_for_test(model, opts):
     """``(what apply_megatron_patch gets, lookup, bridge installed?)``: megatron-bridge's LlamaBridge mappings where it
-    is installed (``bridge=`` its registry; MoE layers: a ``converters=`` table of its mappings and hand-written
+    is installed (``bridge=`` the model bridge; MoE layers: a ``converters=`` table of its mappings and hand-written
     expert converters, LlamaBridge has none), else the hand-written converters of tests/megatron/hf_converters.py."""
     if opts.get("slime"):
         return slime_lookup()
-    registry = bridge_stubs.llama_mapping_registry()
+    model_bridge = bridge_stubs.llama_model_bridge()
+    registry = model_bridge.mapping_registry() if model_bridge is not None else None
     own = hf_converters.llama_like(heads=4, groups=2, tied=opts.get("tied", False))
     if registry is not None and not opts.get("experts"):
-        return {"bridge": registry}, registry.megatron_to_hf_lookup, True
+        return {"bridge": model_bridge}, registry.megatron_to_hf_lookup, True
     table = {}
     for key in param_keys([model]).values():
         converter = (registry.megatron_to_hf_lookup(key.name) if registry is not None else None) or own(key.name)
@@ -268,7 +270,7 @@ def slime_lookup():
     gather = slime_source.install_weight_gather(slime_source.source())
     args = SimpleNamespace(vocab_size=HF_VOCAB, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                            kv_channels=None, q_lora_rank=None)
-    slime = slime_converters(args, "llamaconfig")
+    slime = slime_converters(args, "llamaconfig", SimpleNamespace(quantization_config=None))
 
     def lookup(name):
         return slime(re.sub(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$",
@@ -475,8 +477,68 @@ def stock_copy(opt):
     raise AssertionError("no original copy recorded")
 
 
+def offload(model):
+    """verl's ``offload_megatron_model_to_cpu`` (param_offload=True): each DDP buffer's param_data to the host, its
+    storage resized to 0 (what the bucket views see until :func:`reload`)."""
+    for buffer in list(model.buffers) + list(model.expert_parallel_buffers):
+        buffer.param_data.cpu_data = buffer.param_data.detach().clone()
+        buffer.param_data_size = buffer.param_data.storage().size()
+        buffer.param_data.storage().resize_(0)
+
+
+def offloaded_views(model):
+    """The bucket views as verl's offload leaves them, for after a CPU step (a gloo step leaves the buffer's storage
+    not resizable here): each bucket's ``param_data`` swapped for a tensor of its shape on a 0-byte storage. Returns
+    what :func:`restore_views` puts back."""
+    saved = []
+    for buffer in list(model.buffers) + list(model.expert_parallel_buffers):
+        for bucket in buffer.buckets:
+            empty = torch.empty(bucket.param_data.shape, dtype=bucket.param_data.dtype)
+            empty.untyped_storage().resize_(0)
+            saved.append((bucket, bucket.param_data))
+            bucket.param_data = empty
+    return saved
+
+
+def restore_views(saved):
+    for bucket, param_data in saved:
+        bucket.param_data = param_data
+
+
+def reload(model):
+    for buffer in list(model.buffers) + list(model.expert_parallel_buffers):
+        cpu = buffer.param_data.cpu_data
+        buffer.param_data.storage().resize_(buffer.param_data_size)
+        buffer.param_data.copy_(cpu)
+
+
+def check_one_rank():
+    """A problem found on one data-parallel rank only (the EMA-missing path, a rank-local bypass): every rank must
+    raise after the step, none may wait in a collective the others skip."""
+    config, model, optimizer = build({})
+    fc = apply_megatron_patch(optimizer, FairCaster(FairCastConfig(enabled=True, seed=SEED)), model_chunks=[model])
+    copy_distributed = fc.copy_distributed
+
+    def one_rank_problem(opt, *args, **kwargs):
+        copy_distributed(opt, *args, **kwargs)
+        if dist.get_rank() == dist.get_world_size() - 1:
+            fc.problem = fc.problem or "a problem on the last rank only"
+
+    fc.copy_distributed = one_rank_problem
+    out = {}
+    try:
+        train_step(config, model, optimizer, 0)
+        out["raised"] = None
+    except FairCastPatchError as exc:
+        out["raised"] = str(exc)
+    remove_megatron_patch(optimizer)
+    return out
+
+
 def run(name):
     opts = SCENARIOS[name]
+    if name == "check_one_rank":
+        return check_one_rank()
     if opts.get("special"):
         return special(name)
     faircast = opts.get("faircast", True)
@@ -490,7 +552,11 @@ def run(name):
         attach["hf_vocab_size"] = HF_VOCAB
         hf = (lookup, bridge)
     if faircast:
+        if opts.get("offload"):  # verl param_offload: the engine is built offloaded, Fair Cast attaches then
+            offload(model)
         fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], **attach)
+        if opts.get("offload"):
+            reload(model)
     ema = opts.get("ema")
     history = [{n: m for n, (_, m, _) in full_params(model, optimizer).items()}] if ema else []
     results = []
@@ -506,6 +572,13 @@ def run(name):
         out["hf"] = check_hf(model, optimizer, fc, *hf, sources=sources)
     if opts.get("resume"):
         out["resume"] = resume_check(opts, cfg, config, model, optimizer, fc, attach)
+    if opts.get("offload"):  # verl saves and loads checkpoints with the model offloaded again
+        views = offloaded_views(model)
+        tmp = tempfile.mkdtemp(prefix="faircast_offload_")
+        fc.save(tmp)
+        fc.load(tmp)
+        restore_views(views)
+        out["offload_saved"] = sorted(os.listdir(tmp))
     if fc is not None:
         out["elements_cast"] = fc.last_step_elements
         out["metrics"] = fc.metrics()

@@ -201,19 +201,30 @@ class Peak:
         return False
 
 
+def _once(fn: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
+
+
 def _time(fn: Callable[[], None], device: torch.device, reps: int) -> float:
     """Median seconds of ``fn`` (after one warm-up call)."""
     fn()
-    times = []
+    return statistics.median(_once(fn, device) for _ in range(reps))
+
+
+def _time_pair(a: Callable[[], None], b: Callable[[], None], device: torch.device, reps: int) -> tuple:
+    """Median seconds of ``a`` and of ``b``, timed alternately (a busy machine's drift hits both alike)."""
+    a(), b()
+    ta, tb = [], []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        ta.append(_once(a, device))
+        tb.append(_once(b, device))
+    return statistics.median(ta), statistics.median(tb)
 
 
 @dataclass
@@ -287,10 +298,11 @@ def cast_rows(preset: str, device: torch.device, backend: str = "auto", reps: in
                 fn()
             with counting_syncs(device) as (count, cuda_warnings):
                 fn()
-            return _time(fn, device, reps), peak.bytes, count.count + len(cuda_warnings)
+            return peak.bytes, count.count + len(cuda_warnings)
 
-        t_c, m_c, s_c = measure(contiguous)
-        t_p, m_p, s_p = measure(patched)
+        m_c, s_c = measure(contiguous)
+        m_p, s_p = measure(patched)
+        t_c, t_p = _time_pair(contiguous, patched, device, reps)
         if not hf:
             n_runs = sum(len(t) for t in fc._native_runs.values()) + sum(1 for r in ranges if r.key.contiguous)
         row = {"layout": label, "elements": n, "runs": n_runs, "contiguous_ms": t_c * 1e3, "ms": t_p * 1e3,
@@ -299,9 +311,9 @@ def cast_rows(preset: str, device: torch.device, backend: str = "auto", reps: in
         if before and label == "hf tp1":
             step = _before(fc, ranges[:1])  # the QKV only: the old path needs ~133 B/element
             nq = ranges[0].key.numel
-            t_b, m_b, s_b = measure(step)
+            m_b, s_b = measure(step)
             caster_q = lambda r=ranges[0]: caster.cast(r.key.name, r.main, offset=0, out=r.dst)  # noqa: E731
-            t_q = _time(caster_q, device, reps)
+            t_q, t_b = _time_pair(caster_q, step, device, max(1, reps // 2))
             row["before_qkv"] = {"elements": nq, "ms": t_b * 1e3, "ratio": t_b / t_q,
                                  "peak_B_per_elem": None if m_b is None else m_b / nq, "syncs": s_b}
         rows.append(row)

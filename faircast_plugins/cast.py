@@ -496,9 +496,13 @@ def fair_cast_runs(
         backend = resolve_backend(backend, x.device)
         if mode not in STOCHASTIC_RULE:
             _check_denormals(x.device)
-        if backend == "torch":
+        if backend == "torch":  # the reference, run by run (chunked); nearest from the bits: no host read
             for pos, first, n, slot in runs.rows:
-                _torch_cast_item(CastItem(out[pos: pos + n], x[pos: pos + n], keys[slot], first), mode)
+                if mode == "nearest":
+                    out[pos: pos + n] = torch_ref.nearest_bits(x[pos: pos + n].view(torch.int32)).to(
+                        torch.int16).view(torch.bfloat16)
+                else:
+                    torch_ref.cast_stochastic_(out[pos: pos + n], x[pos: pos + n], keys[slot], first)
         else:
             _kernel_module(backend).cast_runs(x, out, runs, list(keys), mode)
     return out

@@ -270,20 +270,12 @@ def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def _value_bits(index: torch.Tensor) -> torch.Tensor:
-    """int32 bits of the float payload at the given element indices: finite values in +-[1, 2) whose sign and
-    mantissa hash the index (a scaled, shifted or re-rounded element no longer matches its index)."""
-    h = (index.to(torch.int64) * 0x9E3779B1) & 0xFFFFFFFF
-    bits = 0x3F800000 | (h >> 9) | ((h & 1) << 31)
-    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-
-
 def _value_payload(shape, numel: int) -> torch.Tensor:
-    out = torch.empty(numel, dtype=torch.int32)
-    for s in range(0, numel, CHUNK):
-        e = min(numel, s + CHUNK)
-        out[s:e] = _value_bits(torch.arange(s, e, dtype=torch.int64))
-    return out.view(torch.float32).view(shape)
+    """The float payload: each element's index as fp32, negated at odd indices (a converter that adds, scales,
+    negates or re-rounds values no longer returns them; exact integers below 2**24, rounded above)."""
+    values = torch.arange(numel, dtype=torch.float32)
+    values[1::2].neg_()
+    return values.view(shape)
 
 
 def _hf_runs(flat: torch.Tensor) -> torch.Tensor:
@@ -293,8 +285,8 @@ def _hf_runs(flat: torch.Tensor) -> torch.Tensor:
     starts = []
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
-        c = flat[max(0, s - 1): e].to(torch.int64)
-        brk = (c[1:] - c[:-1]) != 1
+        c = flat[max(0, s - 1): e]
+        brk = c[1:] != c[:-1] + 1
         if s == 0:
             brk = torch.cat([torch.ones(1, dtype=torch.bool), brk])
         starts.append(torch.nonzero(brk).view(-1) + s)
@@ -308,6 +300,25 @@ def _full_of(hf_runs: torch.Tensor, s: int, e: int) -> torch.Tensor:
     pos = torch.arange(s, e, dtype=torch.int64)
     r = torch.searchsorted(hf_runs[:, 0].contiguous(), pos, right=True) - 1
     return hf_runs[r, 1] + (pos - hf_runs[r, 0])
+
+
+def _first_changed(vflat: torch.Tensor, pflat: torch.Tensor, hf_runs: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``(HF index, full index)`` of the first element of an HF tensor's float output (int32 bits) that is not the
+    payload of the element its run names, or None: run by run (slices) when runs are long, else in chunks."""
+    if hf_runs.shape[0] * 256 <= max(1, vflat.numel()):
+        for h, f, n in hf_runs.tolist():
+            if not torch.equal(vflat[h: h + n], pflat[f: f + n]):
+                i = int(torch.nonzero(vflat[h: h + n] != pflat[f: f + n])[0])
+                return h + i, f + i
+        return None
+    for s in range(0, vflat.numel(), CHUNK):
+        e = min(vflat.numel(), s + CHUNK)
+        full = _full_of(hf_runs, s, e)
+        bad = torch.nonzero(vflat[s:e] != pflat[full]).view(-1)
+        if bad.numel():
+            i = int(bad[0])
+            return s + i, int(full[i])
+    return None
 
 
 def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Optional[int] = None,
@@ -351,10 +362,12 @@ def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Opti
     del index
     emap = ElementMap(key.name, names, _tile(by_name, names, numel, shape, vocab, what), hf_shapes)
     # 2. the float payload: each HF tensor must hold exactly the payload of the elements its runs name
-    converted = run_converter(converter, _value_payload(shape, numel), module)
+    values = _value_payload(shape, numel)
+    converted = run_converter(converter, values, module)
     if sorted(converted) != names:
         raise ConverterError(f"{what}: the converter returned other HF names for an index payload "
                              f"({names}) than for a float payload ({sorted(converted)})")
+    pflat = values.view(-1).view(torch.int32)
     for name in names:
         vals = converted.pop(name)
         if not isinstance(vals, torch.Tensor) or vals.dtype != torch.float32 or tuple(vals.shape) != out_shapes[name]:
@@ -364,22 +377,18 @@ def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Opti
                                  f"refused")
         if vocab is not None:
             vals = vals[:vocab]
-        vflat = vals.reshape(-1).view(torch.int32)
-        for s in range(0, vflat.numel(), CHUNK):
-            e = min(vflat.numel(), s + CHUNK)
-            want = _value_bits(_full_of(by_name[name], s, e))
-            bad = torch.nonzero(vflat[s:e] != want).view(-1)
-            if bad.numel():
-                b = int(bad[0])
-                got_v = float(vflat[s + b: s + b + 1].view(torch.float32))
-                want_v = float(want[b: b + 1].view(torch.float32))
-                raise ConverterError(
-                    f"{what}: the converter changes values, it does not only rearrange them ({name} element {s + b}: "
-                    f"{got_v!r} from {want_v!r}). Fair Cast's served bits would be rounded again after the cast "
-                    f"(zero-centred norms add 1, scaling, dtype casts): use a model and converter that only rearrange "
-                    f"weights")
-        del vals, vflat
-    del converted
+        bad = _first_changed(vals.reshape(-1).view(torch.int32), pflat, by_name[name])
+        if bad is not None:
+            h, f = bad
+            got_v, want_v = (float(t[i: i + 1].view(torch.float32)) for t, i in ((vals.reshape(-1).view(torch.int32), h),
+                                                                                  (pflat, f)))
+            raise ConverterError(
+                f"{what}: the converter changes values, it does not only rearrange them ({name} element {h}: "
+                f"{got_v!r} from {want_v!r}). Fair Cast's served bits would be rounded again after the cast "
+                f"(zero-centred norms add 1, scaling, dtype casts): use a model and converter that only rearrange "
+                f"weights")
+        del vals
+    del converted, values, pflat
     if key.tp_size > 1 and key.partition_dim >= 0 and is_bridge_mapping(converter):
         _check_tensor_parallel_path(emap, key, converter, module, vocab, what)
     return emap

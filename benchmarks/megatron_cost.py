@@ -21,7 +21,8 @@ step (ops that make the host wait on CUDA: a value read, ``nonzero``, ``repeat_i
 At attach: ``build_element_map`` + ``ElementMap.groups`` of each param of the layer set (TP=1, one whole-param range,
 the worst case): seconds and the peak transient host bytes per element of the param.
 
-    python benchmarks/megatron_cost.py [--preset smoke|7b|70b] [--device cpu|cuda] [--json out.json]
+    python benchmarks/megatron_cost.py [--preset smoke|7b|70b] [--device cpu|cuda] [--before] [--no-cast]
+                                       [--no-attach] [--json out.json]
 
 ``smoke`` (CI: a few seconds) is a 1/64-width layer; ``7b`` a Qwen2.5-7B layer (hidden 3584, 28 heads, 4 KV groups,
 FFN 18944); ``70b`` a Llama-3-70B layer (hidden 8192, 64 heads, 8 KV groups, FFN 28672). CPU numbers use one thread
@@ -236,10 +237,10 @@ class Range:
 
 
 def _ranges(params, device, seed=0) -> List[Range]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     out = []
     for key, _ in params:
-        main = (torch.randn(key.numel, generator=g) * 0.02).to(device)
+        main = torch.randn(key.numel, generator=g, device=device).mul_(0.02)
         out.append(Range(object(), key, main, torch.empty(key.numel, dtype=torch.bfloat16, device=device)))
     return out
 
@@ -373,14 +374,16 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--before", action="store_true", help="also time the replaced per-element path (QKV)")
     parser.add_argument("--no-attach", action="store_true")
+    parser.add_argument("--no-cast", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     _mallopt_small_mmap()
     device = torch.device(args.device)
     result = {"preset": args.preset, "device": str(device), "torch": torch.__version__,
               "threads": torch.get_num_threads()}
-    result["cast"] = cast_rows(args.preset, device, args.backend, args.reps, args.before)
-    print_cast(result["cast"], args.preset, device, args.backend)
+    if not args.no_cast:
+        result["cast"] = cast_rows(args.preset, device, args.backend, args.reps, args.before)
+        print_cast(result["cast"], args.preset, device, args.backend)
     if not args.no_attach:
         result["attach"] = attach_rows(args.preset)
         print_attach(result["attach"], args.preset)

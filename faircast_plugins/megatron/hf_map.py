@@ -270,10 +270,12 @@ def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def _value_payload(shape, numel: int) -> torch.Tensor:
+def _value_payload(shape, numel: int, reuse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float payload: each element's index as fp32, negated at odd indices (a converter that adds, scales,
-    negates or re-rounds values no longer returns them; exact integers below 2**24, rounded above)."""
-    values = torch.arange(numel, dtype=torch.float32)
+    negates or re-rounds values no longer returns them; exact integers below 2**24, rounded above). Written into
+    ``reuse`` (the int32 index payload, no longer read) when given: no second buffer to fault in."""
+    values = torch.empty(numel, dtype=torch.float32) if reuse is None else reuse.view(-1).view(torch.float32)
+    torch.arange(numel, dtype=torch.float32, out=values)
     values[1::2].neg_()
     return values.view(shape)
 
@@ -283,13 +285,17 @@ def _hf_runs(flat: torch.Tensor) -> torch.Tensor:
     indices, flat, in HF order): maximal stretches where the full index advances by one, read in chunks."""
     n = flat.numel()
     starts = []
+    succ = torch.empty(min(n, CHUNK), dtype=flat.dtype)  # buffers reused chunk after chunk: no allocation per chunk
+    brk = torch.empty(min(n, CHUNK) + 1, dtype=torch.bool)
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
-        c = flat[max(0, s - 1): e]
-        brk = c[1:] != c[:-1] + 1
-        if s == 0:
-            brk = torch.cat([torch.ones(1, dtype=torch.bool), brk])
-        starts.append(torch.nonzero(brk).view(-1) + s)
+        lo = max(0, s - 1)
+        m = e - lo - 1  # comparisons of neighbours in flat[lo:e]
+        torch.add(flat[lo: e - 1], 1, out=succ[:m])
+        head = 1 if s == 0 else 0  # the very first element starts a run
+        brk[0] = True
+        torch.ne(flat[lo + 1: e], succ[:m], out=brk[head: head + m])
+        starts.append(torch.nonzero(brk[: head + m]).view(-1) + s)
     first = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64)
     length = torch.diff(first, append=torch.tensor([n]))
     return torch.stack([first, flat[first].to(torch.int64), length], dim=1)
@@ -337,7 +343,8 @@ def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Opti
     dtype = _index_dtype(numel)
     vocab = hf_vocab_size if key.name in VOCAB_PARAMS else None
     # 1. the index payload: each HF tensor's runs (then the payload and its converted copies are dropped)
-    index = run_converter(converter, torch.arange(numel, dtype=dtype).view(shape), module)
+    payload = torch.arange(numel, dtype=dtype).view(shape)
+    index = run_converter(converter, payload, module)
     if not index:
         raise ConverterError(f"{what}: the converter returned no HF tensor")
     names, hf_shapes, out_shapes, by_name = sorted(index), {}, {}, {}
@@ -362,7 +369,8 @@ def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Opti
     del index
     emap = ElementMap(key.name, names, _tile(by_name, names, numel, shape, vocab, what), hf_shapes)
     # 2. the float payload: each HF tensor must hold exactly the payload of the elements its runs name
-    values = _value_payload(shape, numel)
+    values = _value_payload(shape, numel, payload if dtype == torch.int32 else None)
+    del payload
     converted = run_converter(converter, values, module)
     if sorted(converted) != names:
         raise ConverterError(f"{what}: the converter returned other HF names for an index payload "

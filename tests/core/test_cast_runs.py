@@ -55,7 +55,7 @@ TABLES = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["stochastic", "sticky", "nearest"])
+@pytest.mark.parametrize("mode", ["stochastic", "nearest"])  # sticky: the stochastic kernel, another key
 @pytest.mark.parametrize("table", sorted(TABLES))
 def test_runs_equal_per_run_fair_cast(backend, mode, table):
     rows, slots = TABLES[table]

@@ -410,26 +410,28 @@ class RunTable:
     def __init__(self, table, slots: int = 1):
         t = torch.as_tensor(table, dtype=torch.int64).reshape(-1, self.COLS).to("cpu").contiguous()
         self.table, self.slots = t, int(slots)
-        self._rows = t.tolist()
         if self.slots < 1:
             raise ValueError(f"a run table needs at least one key slot, got {slots}")
-        end = 0
-        for pos, first, length, slot in self._rows:
-            if length <= 0 or pos < end or first < 0 or first + length > _INDEX_LIMIT or not 0 <= slot < self.slots:
-                raise ValueError(f"run (pos {pos}, first {first}, length {length}, slot {slot}) is empty, overlaps the "
-                                 f"previous run, has global indices outside [0, 2**63) or a slot outside [0, {slots})")
-            end = pos + length
-        self.extent = end  # x and out need at least this many elements
-        self.numel = sum(r[2] for r in self._rows)  # elements cast
-        self._device: dict = {}  # (device, what) -> cached device copies (the kernels' launch tables)
+        pos, first, length, slot = t.unbind(1)
+        prev_end = torch.cat([torch.zeros(1, dtype=torch.int64), (pos + length)[:-1]])
+        room = (_INDEX_LIMIT - 1) - torch.clamp(length, min=1) + 1  # first + length <= 2**63, without overflow
+        bad = (length <= 0) | (pos < prev_end) | (first < 0) | (first > room) | (slot < 0) | (slot >= self.slots)
+        if bool(bad.any()):  # on the host, once per table
+            p, f, n, k = t[int(torch.nonzero(bad)[0])].tolist()
+            raise ValueError(f"run (pos {p}, first {f}, length {n}, slot {k}) is empty, overlaps the previous run, "
+                             f"has global indices outside [0, 2**63) or a slot outside [0, {slots})")
+        self.extent = int((pos + length).max()) if len(t) else 0  # x and out need at least this many elements
+        self.numel = int(length.sum())  # elements cast
+        self._device: dict = {}  # (device, what) -> cached launch tables (the kernels' program starts, device copies)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self.table.shape[0]
 
     @property
     def rows(self) -> list:
-        """The runs as ``[pos, first, length, slot]`` lists (host ints)."""
-        return self._rows
+        """The runs as ``[pos, first, length, slot]`` lists (host ints, made on each call: 32 bytes per run are kept,
+        not Python objects)."""
+        return self.table.tolist()
 
     def cached(self, device, what, make):
         """A per-device launch table, made once by ``make()`` (the kernels' program starts and device copies)."""
@@ -437,15 +439,6 @@ class RunTable:
         if k not in self._device:
             self._device[k] = make()
         return self._device[k]
-
-    @classmethod
-    def concat(cls, parts) -> "RunTable":
-        """One table of the runs of ``(table rows, slot shift)`` parts, sorted by position."""
-        rows = []
-        for t, shift in parts:
-            rows += [[p, f, n, s + shift] for p, f, n, s in (t.rows if isinstance(t, RunTable) else t)]
-        rows.sort()
-        return cls(rows, max([r[3] for r in rows], default=0) + 1)
 
 
 def _check_runs_inputs(x, out, runs: RunTable, keys, mode: str) -> None:
@@ -497,7 +490,7 @@ def fair_cast_runs(
         if mode not in STOCHASTIC_RULE:
             _check_denormals(x.device)
         if backend == "torch":  # the reference, run by run (chunked); nearest from the bits: no host read
-            for pos, first, n, slot in runs.rows:
+            for pos, first, n, slot in runs.cached("host", "rows", lambda: runs.rows):  # kept for the next call
                 if mode == "nearest":
                     out[pos: pos + n] = torch_ref.nearest_bits(x[pos: pos + n].view(torch.int32)).to(
                         torch.int16).view(torch.bfloat16)

@@ -372,19 +372,23 @@ def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_war
     prepare(items, mode, rows=rows, num_warps=num_warps)()
 
 
+def _run_groups(runs) -> torch.Tensor:
+    """Groups (8-element rows of the global index) each run touches (int64, host)."""
+    first, n = runs.table[:, 1], runs.table[:, 2]
+    return ((first + n - 1) >> 3) + 1 - (first >> 3)
+
+
 def _run_starts(runs, rows: int, device) -> tuple:
     """The run table on ``device`` and each run's first program at tile height ``rows`` (padded to a power of two
     for the binary search), with the number of programs: made once per table, device and tile height."""
-    firsts, counts = [], []
-    total = 0
-    for _, first, n, _ in runs.rows:
-        firsts.append(total)
-        total += -(-_groups(first, n) // rows)
+    programs = -(-_run_groups(runs) // rows)
+    total = int(programs.sum())
     if total > MAX_GRID:
         raise ValueError(f"{total} programs exceed the grid limit; pass a larger rows=")
-    steps = max(1, (len(firsts) - 1).bit_length())
-    firsts += [2**62] * ((1 << steps) - len(firsts))
-    return (runs.table.to(device), torch.tensor(firsts, dtype=torch.int64).to(device), total, steps)
+    steps = max(1, (len(runs) - 1).bit_length())
+    firsts = torch.full((1 << steps,), 2**62, dtype=torch.int64)
+    firsts[: len(runs)] = torch.cumsum(programs, 0) - programs
+    return (runs.table.to(device), firsts.to(device), total, steps)
 
 
 def cast_runs(x: torch.Tensor, out: torch.Tensor, runs, keys: Sequence[int], mode: str, *,
@@ -402,7 +406,7 @@ def cast_runs(x: torch.Tensor, out: torch.Tensor, runs, keys: Sequence[int], mod
             or not out.is_contiguous() or out.numel() != x.numel() or x.numel() < runs.extent:
         raise ValueError("cast_runs needs contiguous fp32 x and bf16 out of one size on one device, covering every run")
     if rows is None:
-        rows = interpreter_rows([_groups(f, n) for _, f, n, _ in runs.rows]) if _INTERPRETED else DEFAULT_ROWS
+        rows = interpreter_rows(_run_groups(runs).tolist()) if _INTERPRETED else DEFAULT_ROWS
     table, starts, total, steps = runs.cached(device, ("triton", rows), lambda: _run_starts(runs, rows, device))
     halves = [h for k in keys for h in (k & M32, k >> 32)]
     if device.type == "cuda":

@@ -134,3 +134,22 @@ def test_attach_holds_at_most_16_bytes_per_element_of_the_param():
     per_element, runs, groups = proc.stdout.split()
     assert float(per_element) <= 16, proc.stdout
     assert int(runs) == 3 * 8 and int(groups) == 3  # a run per head block of each query group
+
+
+def test_cost_benchmark_smoke(tmp_path):
+    """benchmarks/megatron_cost.py --preset smoke (what docs/kernels.md's table runs at 7b/70b): every layout casts
+    with no host sync per step and no transient buffer, and the attach table is complete."""
+    out = tmp_path / "cost.json"
+    proc = subprocess.run([sys.executable, "benchmarks/megatron_cost.py", "--preset", "smoke", "--reps", "2", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    import json
+
+    data = json.loads(out.read_text())
+    assert [r["layout"] for r in data["cast"]] == ["hf tp1", "native tp8", "hf tp8"]
+    for r in data["cast"]:
+        assert r["syncs"] == 0 and r["runs"] > (3 if "tp8" in r["layout"] else 1), r
+        assert r["peak_B_per_elem"] is None or r["peak_B_per_elem"] <= 8, r
+    assert [r["param"] for r in data["attach"]] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert "x contig" in proc.stdout and "peak B/el" in proc.stdout

@@ -19,6 +19,7 @@ from faircast_plugins.config import FairCastConfig
 from faircast_plugins.megatron.hf_map import build_element_map
 from faircast_plugins.megatron.layout import ParamKey
 from faircast_plugins.megatron.patch import MegatronFairCast
+from faircast_plugins.megatron.runs import local_runs
 from tests.megatron import hf_converters as conv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,6 +102,21 @@ def test_non_contiguous_ranges_cast_as_runs_without_host_reads(backend, hf, tp, 
     assert calls == [], calls  # no per-element torch reference, no host read of a tensor value per step
     for p, key, main, s, e, dst, emap in ranges:
         assert torch.equal(dst.view(torch.int16), _expected(caster, key, emap, main, s, e).view(torch.int16)), key.name
+
+
+@pytest.mark.parametrize("shape,dim,stride", [((12, 5), 0, 1), ((12, 5), 0, 2), ((12, 6), 1, 1), ((4, 6, 3), 1, 3),
+                                              ((4, 6, 3), 0, 2), ((6, 4, 3), 2, 1), ((7,), 0, 1)])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_local_runs_are_the_layout_rule(shape, dim, stride, tp):
+    """The runs of a TP-local range (one per chunk of rows) name exactly the full indices ParamKey.indices gives."""
+    for rank in range(tp):
+        key = ParamKey("w", shape, tp_size=tp, tp_rank=rank, partition_dim=dim if tp > 1 else -1, stride=stride)
+        n = key.numel
+        for start, end in [(0, n), (1, n - 1), (n // 3, n // 3 + 1), (n // 2, n), (2, 2)]:
+            runs = local_runs(key, start, end)
+            expanded = torch.cat([torch.arange(f, f + m) for _, f, m in runs.tolist()] or [torch.zeros(0, dtype=torch.int64)])
+            assert torch.equal(expanded, key.indices(start, end)), (key, start, end)
+            assert torch.equal(runs[:, 0], torch.cumsum(runs[:, 2], 0) - runs[:, 2])  # in local order, no gaps
 
 
 ATTACH = textwrap.dedent("""

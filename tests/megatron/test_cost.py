@@ -167,3 +167,13 @@ def test_cost_benchmark_smoke(tmp_path):
         assert r["peak_B_per_elem"] is None or r["peak_B_per_elem"] <= 8, r
     assert [r["param"] for r in data["attach"]] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert "x contig" in proc.stdout and "peak B/el" in proc.stdout
+
+
+def test_attach_draws_no_random_numbers():
+    """megatron-review finding 6: the map's float payload came from the global CPU RNG (torch.randn), shifting a
+    Fair Cast run's random stream against its flag-off control. It is now deterministic and draws nothing."""
+    key = ParamKey("decoder.layers.0.self_attention.linear_qkv.weight", (32, 16))
+    before = torch.get_rng_state()
+    emap = build_element_map(key, conv.qkv(4, 2, "q", "k", "v"))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert len(emap.runs) == 6

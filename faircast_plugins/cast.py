@@ -395,6 +395,112 @@ def fair_cast_many(
     return results
 
 
+class RunTable:
+    """Runs of one flat (x, out) pair for :func:`fair_cast_runs`: run ``r`` casts ``x[pos : pos + length]`` into
+    ``out[pos : pos + length]`` with global indices ``first .. first + length - 1`` under key slot ``slot``.
+
+    A layout that is not one contiguous run of the full tensor (a tensor-parallel row split, a fused QKV keyed by
+    Hugging Face names) is a few runs per row or head block; the table keeps 32 bytes per run on the host, copied to
+    each device once, so a cast needs no per-element index tensor and no host read. ``table``: int64 ``(runs, 4)``
+    rows ``(pos, first, length, slot)``, validated here: positions ascending, runs disjoint, lengths > 0, global
+    indices below 2**63, slots in ``[0, slots)``."""
+
+    COLS = 4
+
+    def __init__(self, table, slots: int = 1):
+        t = torch.as_tensor(table, dtype=torch.int64).reshape(-1, self.COLS).to("cpu").contiguous()
+        self.table, self.slots = t, int(slots)
+        if self.slots < 1:
+            raise ValueError(f"a run table needs at least one key slot, got {slots}")
+        pos, first, length, slot = t.unbind(1)
+        prev_end = torch.cat([torch.zeros(1, dtype=torch.int64), (pos + length)[:-1]])
+        room = (_INDEX_LIMIT - 1) - torch.clamp(length, min=1) + 1  # first + length <= 2**63, without overflow
+        bad = (length <= 0) | (pos < prev_end) | (first < 0) | (first > room) | (slot < 0) | (slot >= self.slots)
+        if bool(bad.any()):  # on the host, once per table
+            p, f, n, k = t[int(torch.nonzero(bad)[0])].tolist()
+            raise ValueError(f"run (pos {p}, first {f}, length {n}, slot {k}) is empty, overlaps the previous run, "
+                             f"has global indices outside [0, 2**63) or a slot outside [0, {slots})")
+        self.extent = int((pos + length).max()) if len(t) else 0  # x and out need at least this many elements
+        self.numel = int(length.sum())  # elements cast
+        self._device: dict = {}  # (device, what) -> cached launch tables (the kernels' program starts, device copies)
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def rows(self) -> list:
+        """The runs as ``[pos, first, length, slot]`` lists (host ints, made on each call: 32 bytes per run are kept,
+        not Python objects)."""
+        return self.table.tolist()
+
+    def cached(self, device, what, make):
+        """A per-device launch table, made once by ``make()`` (the kernels' program starts and device copies)."""
+        k = (str(device), what)
+        if k not in self._device:
+            self._device[k] = make()
+        return self._device[k]
+
+
+def _check_runs_inputs(x, out, runs: RunTable, keys, mode: str) -> None:
+    if not isinstance(runs, RunTable):
+        raise TypeError(f"runs= must be a RunTable, got {type(runs).__name__}")
+    for t, what in ((x, "x"), (out, "out")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fair_cast_runs takes torch.Tensors, got {type(t).__name__} as {what}")
+        check_local_tensor(t, what)
+        if not t.is_contiguous():
+            raise ValueError(f"fair_cast_runs casts flat contiguous tensors ({what} is not contiguous)")
+    if x.dtype != torch.float32 or out.dtype != torch.bfloat16:
+        raise TypeError(f"fair_cast_runs casts fp32 x into bf16 out, got {x.dtype} and {out.dtype}")
+    if out.numel() != x.numel() or out.device != x.device:
+        raise ValueError("out must be a bf16 tensor with x's number of elements, on x's device")
+    if x.numel() < runs.extent:
+        raise ValueError(f"the runs reach element {runs.extent - 1}, but x has {x.numel()} elements")
+    check_mode(mode)
+    if mode == "error_feedback":
+        raise ValueError("error_feedback is index-free: cast the whole range with fair_cast(..., residual=...)")
+    if len(keys) != runs.slots:
+        raise ValueError(f"the run table has {runs.slots} key slots, got {len(keys)} keys")
+    for key in keys:
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**64:
+            raise ValueError(f"Fair Cast key must be an int in [0, 2**64), got {key!r}")
+
+
+def fair_cast_runs(
+    x: torch.Tensor,
+    *,
+    runs: RunTable,
+    keys: Sequence[int],
+    out: torch.Tensor,
+    mode: str = "stochastic",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """For each run ``(pos, first, length, slot)`` of ``runs``: ``out[pos : pos + length] = fair_cast(x[pos : pos +
+    length], key=keys[slot], offset=first)``, bit for bit, in one launch (Triton) or one parallel loop (CPU), with
+    no per-element index tensor and no host read. Elements of ``out`` outside every run are left as they are.
+
+    ``x`` (fp32) and ``out`` (bf16) are flat contiguous tensors of one size on one device, not sharing memory;
+    ``mode``: ``stochastic``, ``sticky`` or ``nearest`` (keys unused). Returns ``out``.
+    """
+    _check_runs_inputs(x, out, runs, keys, mode)
+    _refuse_shared_memory([x], [out])
+    if len(runs):
+        x, out = x.view(-1), out.view(-1)
+        backend = resolve_backend(backend, x.device)
+        if mode not in STOCHASTIC_RULE:
+            _check_denormals(x.device)
+        if backend == "torch":  # the reference, run by run (chunked); nearest from the bits: no host read
+            for pos, first, n, slot in runs.cached("host", "rows", lambda: runs.rows):  # kept for the next call
+                if mode == "nearest":
+                    out[pos: pos + n] = torch_ref.nearest_bits(x[pos: pos + n].view(torch.int32)).to(
+                        torch.int16).view(torch.bfloat16)
+                else:
+                    torch_ref.cast_stochastic_(out[pos: pos + n], x[pos: pos + n], keys[slot], first)
+        else:
+            _kernel_module(backend).cast_runs(x, out, runs, list(keys), mode)
+    return out
+
+
 def block_indices(full_shape: Sequence[int], starts: Sequence[int], shape: Sequence[int], device=None) -> torch.Tensor:
     """Global row-major indices of the block ``[starts[d] : starts[d] + shape[d]]`` of a tensor of ``full_shape``.
 

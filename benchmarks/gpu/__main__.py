@@ -24,7 +24,9 @@ framework's process-wide patch stays in it), each under its own cap and the whol
              fp8 copy (verl's fp8_kernel.py), fp8_loss time and memory on one 4096 x 14336 layer with and without
              checkpointing, an uneven FSDP2 shard through verl's offload
   megatron   megatron_worker.py: tests/megatron/worker.py on CUDA with NCCL (one rank): distributed and Float16
-             optimizers against their stock controls, resume bit for bit, a skipped step, refusals
+             optimizers against their stock controls, resume bit for bit, a skipped step, refusals, the HF-keyed
+             scenarios; then the per-step cast of one 7B and one 70B layer (HF keys, TP rank 1 of 8) against the
+             contiguous path, with host syncs and peak bytes (benchmarks/megatron_cost.py)
   fsdp2      adapters.py fsdp2: FSDP2's cast site, NCCL, world size 1, against its flag-off control
   deepspeed  adapters.py zero2, zero3: DeepSpeed's copy-back, NCCL, world size 1, against flag off
   trl        adapters.py trl: a TRL GRPO run without vLLM (accelerate over NCCL), against flag off
@@ -68,7 +70,7 @@ class Part:
 PARTS = (
     Part("kernel", "kernel", ("--only", "bits,auto,stream,paths,master16,huge"), ("triton",), 180),
     Part("realsize", "real_sizes", (), (), 120),
-    Part("megatron", "megatron_worker", (), ("megatron.core",), 90),
+    Part("megatron", "megatron_worker", (), ("megatron.core",), 180),  # worker ~55 s, the 7B/70B cast benchmark ~60 s
     Part("fsdp2", "adapters", ("--only", "fsdp2"), (), 90),
     Part("deepspeed", "adapters", ("--only", "zero2,zero3"), ("deepspeed",), 150),
     Part("trl", "adapters", ("--only", "trl"), ("trl", "datasets"), 150),

@@ -1,14 +1,18 @@
 """Fair Cast on megatron-core on one GPU: tests/megatron/worker.py's scenarios under NCCL, with no CPU stand-ins.
 
-Run by ``benchmarks/gpu_acceptance.py`` (part ``megatron``; megatron-core 0.16.1 travels in ``.whl/``); alone:
+Run by ``python -m benchmarks.gpu megatron`` (needs ``pip install megatron-core``); alone, from the repository root:
 
-    python3 benchmarks/gpu_megatron.py --json out/megatron.json [--cpu-smoke]
+    python -m benchmarks.gpu.megatron_worker --json out/megatron.json [--cpu-smoke]
 
 One torchrun launch of one rank (``FAIRCAST_MEGATRON_DEVICE=cuda``: NCCL, the model on the GPU, the reference cast
 recomputed on the CPU from the gathered fp32 masters) runs the distributed and Float16 optimizers with Fair Cast on
 (every bf16 param must be ``fair_cast(master)`` and differ from round-to-nearest) and off (the stock controls: every
 param round-to-nearest), resume bit for bit (stochastic, error feedback, EMA), a skipped step, a copy around Fair
-Cast, and the refusals. Under ``--cpu-smoke`` the same launch runs on the CPU with gloo and the stand-ins (how CI
+Cast, and the refusals, with the HF-keyed scenarios (converters; megatron-bridge where installed): served, tied,
+Float16, resume, EMA resume, refusals. Then the per-step cast of one 7B and one 70B decoder layer at world size 1
+(``benchmarks/megatron_cost.py``: HF keys at TP=1, TP rank 1 of 8 with native and HF keys, against the contiguous
+path on the same ranges; host syncs per step and peak transient bytes are checks, times are reported). Under
+``--cpu-smoke`` the same launch runs on the CPU with gloo and the stand-ins (how CI
 runs this script).
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ from benchmarks.gpu.record import Report, Skip, say  # noqa: E402
 
 # HF-keyed scenarios last (megatron-bridge, where installed, imports behind TransformerEngine stand-ins)
 SCENARIOS = ("do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "skip", "bypass", "refusals", "hf",
-             "hf_f16")
+             "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals")
 RESUME_VERSION = 3  # two steps, a save, a load and one more step
 
 
@@ -50,6 +54,8 @@ def judge(report: Report, results: dict) -> None:
     """The pass criteria of tests/megatron/test_megatron.py, for one rank."""
     check = report.check
     for name in SCENARIOS:
+        if name == "hf_refusals":
+            continue
         (r,) = results[name]
         if "error" in r:
             check(f"megatron {name}: runs", False, r["error"][-1500:])
@@ -75,6 +81,9 @@ def judge(report: Report, results: dict) -> None:
           results["skip"][0] == {"success": False, "version": 1, "unchanged": True}, str(results["skip"][0]))
     raised = results["bypass"][0].get("raised") or ""
     check("megatron bypass: a copy around Fair Cast fails the step", "cast 0 elements" in raised, raised[:300])
+    hf_refusals = results["hf_refusals"][0]
+    check("megatron hf_refusals: each HF-keying refusal names the param",
+          bool(hf_refusals) and all(v == "refused" for v in hf_refusals.values()), str(hf_refusals)[:300])
     refusals = dict(results["refusals"][0])
     check("megatron refusals: each refused with its option named",
           refusals.pop("disabled_attaches_nothing", None) is True and all(v == "refused" for v in refusals.values()),
@@ -92,8 +101,8 @@ def main() -> int:
         import importlib.util
 
         if importlib.util.find_spec("megatron.core") is None:
-            raise Skip("megatron-core is not installed (on the device it travels as a wheel: bash "
-                       "benchmarks/gpu_wheels.sh, then carry .whl)")
+            raise Skip("megatron-core is not installed: pip install megatron-core==0.16.1 (without network: "
+                       "benchmarks/gpu/wheels.sh, see benchmarks/gpu/README.md)")
         import torch
 
         if not args.cpu_smoke and not torch.cuda.is_available():
@@ -120,8 +129,33 @@ def main() -> int:
         report.check("faircast doctor megatron passes on the GPU", proc.returncode == 0 and "PASS megatron" in proc.stdout,
                      f"rc {proc.returncode}")
 
+    def cost() -> None:
+        """The per-step cast of one 7B and one 70B decoder layer (world size 1) as the patch runs it, against the
+        contiguous path on the same ranges (benchmarks/megatron_cost.py): HF-keyed at TP=1, and tensor-parallel
+        rank 1 of 8 with Megatron-native and HF keys; the replaced per-element path on the 7B QKV."""
+        from benchmarks import megatron_cost
+        import torch
+
+        if not args.cpu_smoke and not torch.cuda.is_available():
+            raise Skip("no CUDA device (use --cpu-smoke)")
+        device = torch.device("cpu" if args.cpu_smoke else "cuda")
+        out = report.results.setdefault("cost", {})
+        for preset in (("smoke",) if args.cpu_smoke else ("7b", "70b")):
+            rows = megatron_cost.cast_rows(preset, device, reps=3 if args.cpu_smoke else 10, before=preset != "70b")
+            megatron_cost.print_cast(rows, preset, device, "auto")
+            out[preset] = rows
+            for r in rows:
+                report.check(f"megatron cost {preset} {r['layout']}: no host sync per step ({r['runs']} runs, "
+                             f"{r['ratio']:.2f}x the contiguous path)", r["syncs"] == 0, f"{r['syncs']} syncs")
+                if r["peak_B_per_elem"] is not None:
+                    report.check(f"megatron cost {preset} {r['layout']}: at most 8 B/element transient",
+                                 r["peak_B_per_elem"] <= 8, f"{r['peak_B_per_elem']:.2f} B/element")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
     say(f"gpu_megatron ({'CPU smoke' if args.cpu_smoke else 'CUDA'})")
     report.section("megatron", section)
+    report.section("megatron-cost", cost)
     report.section("megatron-doctor", doctor)
     return report.finish("gpu_megatron")
 

@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where numba is a
 import numpy as np
 import torch
 
-__all__ = ["cast_many", "BLOCK_GROUPS", "STEP_GROUPS", "philox_block", "block_range", "round_keys", "numpy_bits",
+__all__ = ["cast_many", "cast_runs", "BLOCK_GROUPS", "STEP_GROUPS", "philox_block", "block_range", "round_keys", "numpy_bits",
            "exclusive"]
 
 # Philox groups per parallel block: 8,192 elements (x 32 KB, noise 16 KB, out 16 KB), one work item per thread.
@@ -438,6 +438,61 @@ def _error_feedback_kernel_serial(out, x, residual):
     _error_feedback_range(out, x, residual, 0, x.size)
 
 
+@njit(inline="always")
+def _run_of(starts, b):
+    """The run ``r`` with ``starts[r] <= b < starts[r + 1]`` (``starts``: running block counts, ascending)."""
+    lo, hi = 0, starts.size - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if starts[mid] <= b:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@njit(inline="always")
+def _stochastic_run_block(out, xu, runs, starts, ks, b, words, streaming):
+    """Block ``b`` of the run table: block ``b - starts[r]`` of run ``r``'s aligned group blocks."""
+    r = _run_of(starts, b)
+    pos, first, n = runs[r, 0], runs[r, 1], runs[r, 2]
+    g_first, g_end, b_first, _ = block_range(n, first)
+    _stochastic_block(out[pos: pos + n], xu[pos: pos + n], ks[runs[r, 3]], first, g_first, g_end,
+                      (b_first + b - starts[r]) * BLOCK_GROUPS, words, streaming)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _stochastic_runs_kernel(out, xu, runs, starts, ks, streaming):
+    for b in prange(starts[-1]):
+        words = np.empty(4 * BLOCK_GROUPS, np.uint32)  # hoisted: one buffer per thread
+        _stochastic_run_block(out, xu, runs, starts, ks, b, words, streaming)
+        if streaming:
+            store_fence()
+
+
+@njit(cache=True, nogil=True)
+def _stochastic_runs_kernel_serial(out, xu, runs, starts, ks, streaming):
+    words = np.empty(4 * BLOCK_GROUPS, np.uint32)
+    for b in range(starts[-1]):
+        _stochastic_run_block(out, xu, runs, starts, ks, b, words, streaming)
+    if streaming:
+        store_fence()
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _nearest_runs_kernel(out, xu, runs):
+    for r in prange(runs.shape[0]):
+        for i in range(runs[r, 0], runs[r, 0] + runs[r, 2]):
+            out[i] = np.uint16(_nearest_bits(xu[i]))
+
+
+@njit(cache=True, nogil=True)
+def _nearest_runs_kernel_serial(out, xu, runs):
+    for r in range(runs.shape[0]):
+        for i in range(runs[r, 0], runs[r, 0] + runs[r, 2]):
+            out[i] = np.uint16(_nearest_bits(xu[i]))
+
+
 # ---------------------------------------------------------------------------------------------- host side
 
 
@@ -517,3 +572,34 @@ def cast_many(items: Sequence, mode: str) -> None:
                 if item.residual is None or item.residual.dtype != torch.float32 or item.residual.numel() != item.x.numel():
                     raise ValueError("error_feedback needs an fp32 residual the size of x")
                 kernel(out, numpy_bits(item.x, torch.float32, np.float32), numpy_bits(item.residual, torch.float32, np.float32))
+
+
+def _run_blocks(runs) -> tuple:
+    """The run table as numpy int64 and the running count of aligned group blocks per run (``starts[-1]`` in all):
+    one parallel iteration per block of any run, as :func:`cast_many` has per block of one tensor."""
+    table = runs.table.numpy()
+    first, n = table[:, 1], table[:, 2]
+    g_first = first >> 3
+    g_end = ((first + n - 1) >> 3) + 1
+    blocks = (g_end - 1) // BLOCK_GROUPS + 1 - g_first // BLOCK_GROUPS
+    return table, np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
+
+
+def cast_runs(x: torch.Tensor, out: torch.Tensor, runs, keys: Sequence[int], mode: str) -> None:
+    """:func:`faircast_plugins.cast.fair_cast_runs` on CPU tensors: every run of ``runs`` (a
+    :class:`faircast_plugins.cast.RunTable`) in one parallel loop over the runs' blocks, bit-identical to casting
+    each run with :func:`cast_many`."""
+    if mode not in _KERNELS or mode == "error_feedback":
+        raise ValueError(f"cast_runs casts stochastic, sticky or nearest, not {mode!r}")
+    if x.dtype != torch.float32 or out.dtype != torch.bfloat16 or out.numel() != x.numel() or x.numel() < runs.extent:
+        raise TypeError("the cpu backend casts fp32 x into a bf16 out of the same size, covering every run")
+    table, starts = runs.cached("cpu", "cpu_blocks", lambda: _run_blocks(runs))
+    o, xu = numpy_bits(out, torch.int16, np.uint16), numpy_bits(x, torch.int32, np.uint32)
+    parallel = runs.numel >= PARALLEL_MIN_NUMEL
+    with exclusive():
+        if mode == "nearest":
+            (_nearest_runs_kernel if parallel else _nearest_runs_kernel_serial)(o, xu, table)
+            return
+        ks = np.stack([round_keys(k) for k in keys])
+        kernel = _stochastic_runs_kernel if parallel else _stochastic_runs_kernel_serial
+        kernel(o, xu, table, starts, ks, runs.numel >= STREAM_MIN_NUMEL)

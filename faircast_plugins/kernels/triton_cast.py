@@ -160,6 +160,38 @@ def _cast_many_kernel(table_ptr, starts_ptr, ROWS: tl.constexpr, SEARCH_STEPS: t
 
 
 @triton.jit
+def _cast_runs_kernel(x_ptr, out_ptr, runs_ptr, starts_ptr, keys_ptr, base_misaligned, ROWS: tl.constexpr,
+                      SEARCH_STEPS: tl.constexpr, MODE: tl.constexpr, N_ROUNDS: tl.constexpr):
+    """One program casts ROWS groups of one run of a run table (``pos, first, length, slot`` per row) of ONE flat
+    (x, out) pair; ``starts`` holds each run's first program (padded, sorted), ``keys`` the key halves per slot."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * 0
+    for step in tl.static_range(SEARCH_STEPS - 1, -1, -1):
+        cand = t + (1 << step)
+        t = tl.where(tl.load(starts_ptr + cand) <= pid, cand, t)
+    row = runs_ptr + t * 4
+    pos = tl.load(row + 0)
+    offset = tl.load(row + 1)
+    numel = tl.load(row + 2)
+    slot = tl.load(row + 3)
+    k0 = tl.load(keys_ptr + 2 * slot).to(tl.uint32)
+    k1 = tl.load(keys_ptr + 2 * slot + 1).to(tl.uint32)
+    tile = (pid - tl.load(starts_ptr + t)) * ROWS + tl.arange(0, ROWS)
+    groups = (offset >> 3) + tile
+    lane = tl.arange(0, 8)[None, :]
+    if ((pos | offset | numel) & 7 | base_misaligned) == 0:
+        # x and out 16-byte aligned, pos, offset and numel multiples of 8: whole rows are in or out.
+        local = tile[:, None] * 8 + lane
+        mask = (tile < (numel >> 3))[:, None] & (lane < 8)
+        _cast_tile(tl.multiple_of(x_ptr + pos, 16), tl.multiple_of(out_ptr + pos, 16), x_ptr,
+                   local, mask, groups, k0, k1, MODE, N_ROUNDS)
+    else:
+        local = tile[:, None] * 8 + lane - (offset & 7)
+        mask = (local >= 0) & (local < numel)
+        _cast_tile(x_ptr + pos, out_ptr + pos, x_ptr, local, mask, groups, k0, k1, MODE, N_ROUNDS)
+
+
+@triton.jit
 def _philox_kernel(counters_ptr, key_ptr, out_ptr, n, BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
     """Philox of ``n`` counters (int64 [n, 4] holding uint32 words) into int64 [n, 4]: for known-answer tests."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: offs * 4 passes 2**31 from 2**29
@@ -338,3 +370,49 @@ def cast_many(items: Sequence, mode: str, *, rows: Optional[int] = None, num_war
     ``rows`` is the tile height (a power of two; a tile is ``rows * 8`` elements); it changes speed, never bits.
     """
     prepare(items, mode, rows=rows, num_warps=num_warps)()
+
+
+def _run_groups(runs) -> torch.Tensor:
+    """Groups (8-element rows of the global index) each run touches (int64, host)."""
+    first, n = runs.table[:, 1], runs.table[:, 2]
+    return ((first + n - 1) >> 3) + 1 - (first >> 3)
+
+
+def _run_starts(runs, rows: int, device) -> tuple:
+    """The run table on ``device`` and each run's first program at tile height ``rows`` (padded to a power of two
+    for the binary search), with the number of programs: made once per table, device and tile height."""
+    programs = -(-_run_groups(runs) // rows)
+    total = int(programs.sum())
+    if total > MAX_GRID:
+        raise ValueError(f"{total} programs exceed the grid limit; pass a larger rows=")
+    steps = max(1, (len(runs) - 1).bit_length())
+    firsts = torch.full((1 << steps,), 2**62, dtype=torch.int64)
+    firsts[: len(runs)] = torch.cumsum(programs, 0) - programs
+    return (runs.table.to(device), firsts.to(device), total, steps)
+
+
+def cast_runs(x: torch.Tensor, out: torch.Tensor, runs, keys: Sequence[int], mode: str, *,
+              rows: Optional[int] = None, num_warps: Optional[int] = None) -> None:
+    """:func:`faircast_plugins.cast.fair_cast_runs` in ONE launch: every run of ``runs`` (a
+    :class:`faircast_plugins.cast.RunTable`, copied to the device once) of the flat pair ``x`` -> ``out``. Per call
+    only the key halves travel (one pinned, asynchronous copy on CUDA): no host read."""
+    if mode not in MODE_IDS or mode == "error_feedback":
+        raise ValueError(f"cast_runs casts stochastic, sticky or nearest, not {mode!r}")
+    if not len(runs):
+        return
+    device = x.device
+    _check_device(device)
+    if x.dtype != torch.float32 or out.dtype != torch.bfloat16 or out.device != device or not x.is_contiguous() \
+            or not out.is_contiguous() or out.numel() != x.numel() or x.numel() < runs.extent:
+        raise ValueError("cast_runs needs contiguous fp32 x and bf16 out of one size on one device, covering every run")
+    if rows is None:
+        rows = interpreter_rows(_run_groups(runs).tolist()) if _INTERPRETED else DEFAULT_ROWS
+    table, starts, total, steps = runs.cached(device, ("triton", rows), lambda: _run_starts(runs, rows, device))
+    halves = [h for k in keys for h in (k & M32, k >> 32)]
+    if device.type == "cuda":
+        key_t = torch.tensor(halves, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    else:
+        key_t = torch.tensor(halves, dtype=torch.int64)
+    misaligned = int((x.data_ptr() | out.data_ptr()) % 16 != 0)
+    _launch(_cast_runs_kernel, (total,), x, out, table, starts, key_t, misaligned, ROWS=rows,
+            SEARCH_STEPS=steps, MODE=MODE_IDS[mode], N_ROUNDS=N_ROUNDS, num_warps=num_warps or DEFAULT_NUM_WARPS)

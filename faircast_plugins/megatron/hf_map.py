@@ -6,15 +6,21 @@ SwiGLU's ``linear_fc1`` holds gate and up, the embedding has padded vocab rows. 
 param to HF (megatron-bridge's ``mapping.megatron_to_hf``, or any callable with the same contract) knows where
 each element goes. The map is learnt from that converter itself, once, at attach:
 
-1. the param's full (TP=1) tensor is replaced by an int64 payload ``arange(numel)`` and converted: each HF tensor
-   that comes out holds, at each of its elements, the TP=1 index of the Megatron element that lands there;
-2. self-check: every Megatron element lands exactly once over the HF tensors (a bijection onto each of them), and
-   a random float payload comes out only permuted, the same way (a converter that adds, scales or casts values is
-   refused, naming the param and the converter);
+1. the param's full (TP=1) tensor is replaced by an integer payload ``arange(numel)`` (int32 below 2**31 elements)
+   and converted: each HF tensor that comes out holds, at each of its elements, the TP=1 index of the Megatron
+   element that lands there. The map keeps only its runs (stretches where both indices advance by one: a head block
+   of a fused QKV, the gate or up half of SwiGLU's fc1, a whole plain weight), read from the outputs in bounded
+   chunks: 32 bytes per run, not per element;
+2. self-check: every Megatron element lands exactly once over the HF tensors (the runs tile the param), and a float
+   payload (a hash of each element's index) comes out only permuted, the same way (a converter that adds, scales or
+   casts values is refused, naming the param and the converter). The two payloads are converted one after the
+   other, so attach holds at most one payload and its converted copy at a time: 8 bytes per element of the
+   largest param (int32 payload) with copying converters, plus bounded chunks;
 3. rows past the HF vocab size of the embedding and output layer (Megatron pads the vocab) have no HF element:
    they keep no key and are cast round-to-nearest;
-4. layout.py's local -> TP=1 index composes with the map, so each rank's data-parallel range gets, per element,
-   ``(HF name, HF flat index)``, grouped per HF name (:meth:`ElementMap.groups`).
+4. layout.py's local -> TP=1 rule, as runs (:func:`.runs.local_runs`), intersects the map's runs, so each rank's
+   data-parallel range gets its runs per HF name (:meth:`ElementMap.groups`), which the per-step cast casts in one
+   launch per range (:func:`range_runs`, :func:`faircast_plugins.cast.fair_cast_runs`).
 
 Bridge mappings are probed without communication: a copy of the mapping tree sees tensor, pipeline and expert
 parallel groups of size 1 (so it converts the TP=1 tensor it is given) and any other use of a group raises.
@@ -27,7 +33,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from ..cast import RunTable
 from .layout import ParamKey
+from .runs import intersect, local_runs, split_by_name
 
 #: Megatron params whose dim 0 is the (padded) vocabulary
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -67,56 +75,63 @@ class HFGroup:
         within = torch.arange(int(lengths.sum()), dtype=torch.int64, device=device) - torch.repeat_interleave(firsts, lengths)
         return torch.repeat_interleave(runs[:, 0], lengths) + within, torch.repeat_interleave(runs[:, 1], lengths) + within
 
-    def on(self, device) -> "HFGroup":
-        return self if self.contiguous or self.pos.device == torch.device(device) else HFGroup(self.name, self.pos.to(device))
-
-
-def _runs(pos: torch.Tensor, hf: torch.Tensor) -> torch.Tensor:
-    """``(first pos, first hf, length)`` of each maximal run where both advance by one."""
-    n = pos.numel()
-    start = torch.ones(n, dtype=torch.bool)
-    start[1:] = ((pos[1:] - pos[:-1]) != 1) | ((hf[1:] - hf[:-1]) != 1)
-    firsts = torch.nonzero(start).view(-1)
-    lengths = torch.diff(firsts, append=torch.tensor([n]))
-    return torch.stack([pos[firsts], hf[firsts], lengths], dim=1)
 
 
 class ElementMap:
-    """For every element of one Megatron param's full (TP=1) tensor: its HF tensor and HF flat index."""
+    """For every element of one Megatron param's full (TP=1) tensor: its HF tensor and HF flat index, as runs."""
 
-    def __init__(self, megatron_name: str, names: List[str], name_ids: torch.Tensor, hf_index: torch.Tensor,
-                 hf_shapes: Dict[str, Tuple[int, ...]]):
+    def __init__(self, megatron_name: str, names: List[str], runs: torch.Tensor, hf_shapes: Dict[str, Tuple[int, ...]]):
         self.megatron_name = megatron_name
         self.names = names  # HF names; name id -1: a padded row
-        self.name_ids = name_ids  # int32, one per TP=1 element
-        self.hf_index = hf_index  # int64, one per TP=1 element (-1 for padded rows)
+        # int64 (runs, 4): (full first, length, name id, HF first) sorted by full index, tiling the full tensor;
+        # padded rows have name id -1 and HF first -1
+        self.runs = runs
         self.hf_shapes = hf_shapes
 
     @property
     def padded(self) -> int:
-        return int((self.name_ids < 0).sum())
+        return int(self.runs[self.runs[:, 2] < 0, 1].sum())
+
+    @property
+    def numel(self) -> int:
+        return int(self.runs[:, 1].sum())
 
     def lookup(self, full_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(name ids, HF indices)`` of the given TP=1 indices."""
-        full_indices = full_indices.to(self.name_ids.device)
-        return self.name_ids[full_indices], self.hf_index[full_indices]
+        """``(name ids (int32), HF indices (int64))`` of the given TP=1 indices (-1, -1 for padded rows)."""
+        full = full_indices.to(device="cpu", dtype=torch.int64)
+        first = self.runs[:, 0].contiguous()
+        r = torch.searchsorted(first, full.contiguous(), right=True) - 1
+        ids = self.runs[r, 2]
+        hf = torch.where(ids >= 0, self.runs[r, 3] + (full - first[r]), -1)
+        return ids.to(torch.int32), hf
 
     def groups(self, key: ParamKey, start: int, end: int) -> List[HFGroup]:
-        """The HF groups of the TP-local elements ``[start, end)`` (one DP range), in HF-name order."""
-        full = torch.arange(start, end, dtype=torch.int64) + key.offset(0) if key.contiguous else key.indices(start, end)
-        ids, hf = self.lookup(full)
+        """The HF groups of the TP-local elements ``[start, end)`` (one DP range), in HF-name order (padded rows
+        first), from the runs alone: O(runs) work and memory, none per element."""
         out = []
-        for nid in torch.unique(ids).tolist():
-            pos = torch.nonzero(ids == nid).view(-1)
+        for nid, runs in split_by_name(intersect(local_runs(key, start, end), self.runs)):
             name = self.names[nid] if nid >= 0 else None
-            where = hf[pos] if name is not None else pos  # padded rows: runs of offsets only
-            runs = _runs(pos, where)
             if runs.shape[0] == 1:
                 first, hf_first, n = (int(v) for v in runs[0])
                 out.append(HFGroup(name, slice(first, first + n), hf_first if name is not None else 0))
             else:
                 out.append(HFGroup(name, runs))
         return out
+
+
+def range_runs(groups: List[HFGroup]) -> Tuple[List[str], Optional[RunTable], Optional[RunTable]]:
+    """One cast range's groups as run tables for :func:`faircast_plugins.cast.fair_cast_runs`: ``(HF names (the key
+    slots), the keyed runs, the padded rows' runs (round-to-nearest) or None)``."""
+    names, keyed, padded = [], [], []
+    for g in groups:
+        runs = ([[g.pos.start, g.hf or 0, g.pos.stop - g.pos.start]] if g.contiguous else g.pos.tolist())
+        if g.name is None:
+            padded += [[p, p, n, 0] for p, _, n in runs]
+        else:
+            keyed += [[p, h, n, len(names)] for p, h, n in runs]
+            names.append(g.name)
+    return (names, RunTable(sorted(keyed), max(1, len(names))) if keyed else None,
+            RunTable(sorted(padded)) if padded else None)
 
 
 # -- where the converters come from --------------------------------------------------------------------------
@@ -274,10 +289,76 @@ def full_shape(key: ParamKey) -> Tuple[int, ...]:
     return tuple(shape)
 
 
+#: elements per chunk when reading runs and checking values: bounds attach's temporaries to a few MB
+CHUNK = 1 << 20
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _value_payload(shape, numel: int, reuse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float payload: each element's index as fp32, negated at odd indices (a converter that adds, scales,
+    negates or re-rounds values no longer returns them; exact integers below 2**24, rounded above). Written into
+    ``reuse`` (the int32 index payload, no longer read) when given: no second buffer to fault in."""
+    values = torch.empty(numel, dtype=torch.float32) if reuse is None else reuse.view(-1).view(torch.float32)
+    torch.arange(numel, dtype=torch.float32, out=values)
+    values[1::2].neg_()
+    return values.view(shape)
+
+
+def _hf_runs(flat: torch.Tensor) -> torch.Tensor:
+    """int64 ``(runs, 3)`` rows ``(HF first, full first, length)`` of an HF tensor's payload (its elements' full
+    indices, flat, in HF order): maximal stretches where the full index advances by one, read in chunks."""
+    n = flat.numel()
+    starts = []
+    succ = torch.empty(min(n, CHUNK), dtype=flat.dtype)  # buffers reused chunk after chunk: no allocation per chunk
+    brk = torch.empty(min(n, CHUNK) + 1, dtype=torch.bool)
+    for s in range(0, n, CHUNK):
+        e = min(n, s + CHUNK)
+        lo = max(0, s - 1)
+        m = e - lo - 1  # comparisons of neighbours in flat[lo:e]
+        torch.add(flat[lo: e - 1], 1, out=succ[:m])
+        head = 1 if s == 0 else 0  # the very first element starts a run
+        brk[0] = True
+        torch.ne(flat[lo + 1: e], succ[:m], out=brk[head: head + m])
+        starts.append(torch.nonzero(brk[: head + m]).view(-1) + s)
+    first = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64)
+    length = torch.diff(first, append=torch.tensor([n]))
+    return torch.stack([first, flat[first].to(torch.int64), length], dim=1)
+
+
+def _full_of(hf_runs: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    """Full indices of HF elements ``[s, e)`` from the HF tensor's runs (sorted by HF first)."""
+    pos = torch.arange(s, e, dtype=torch.int64)
+    r = torch.searchsorted(hf_runs[:, 0].contiguous(), pos, right=True) - 1
+    return hf_runs[r, 1] + (pos - hf_runs[r, 0])
+
+
+def _first_changed(vflat: torch.Tensor, pflat: torch.Tensor, hf_runs: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``(HF index, full index)`` of the first element of an HF tensor's float output (int32 bits) that is not the
+    payload of the element its run names, or None: run by run (slices) when runs are long, else in chunks."""
+    if hf_runs.shape[0] * 256 <= max(1, vflat.numel()):
+        for h, f, n in hf_runs.tolist():
+            if not torch.equal(vflat[h: h + n], pflat[f: f + n]):
+                i = int(torch.nonzero(vflat[h: h + n] != pflat[f: f + n])[0])
+                return h + i, f + i
+        return None
+    for s in range(0, vflat.numel(), CHUNK):
+        e = min(vflat.numel(), s + CHUNK)
+        full = _full_of(hf_runs, s, e)
+        bad = torch.nonzero(vflat[s:e] != pflat[full]).view(-1)
+        if bad.numel():
+            i = int(bad[0])
+            return s + i, int(full[i])
+    return None
+
+
 def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Optional[int] = None,
                       *, generator: Optional[torch.Generator] = None) -> ElementMap:
     """The element map of one param (its canonical Megatron name and layout in ``key``), from ``converter``, with
-    the self-checks. Raises :class:`ConverterError` naming the param and the converter."""
+    the self-checks. Raises :class:`ConverterError` naming the param and the converter. Deterministic: it draws no
+    random numbers (``generator`` is accepted for compatibility and unused)."""
     what = f"{key.name} through {describe(converter)}"
     if getattr(converter, "is_grouped_export", False):
         raise ConverterError(f"{what}: grouped expert exports (several Megatron params stacked into one HF tensor "
@@ -286,64 +367,95 @@ def build_element_map(key: ParamKey, converter, module=None, hf_vocab_size: Opti
     numel = 1
     for s in shape:
         numel *= s
-    index = run_converter(converter, torch.arange(numel, dtype=torch.int64).view(shape), module)
-    values = torch.randn(shape, generator=generator, dtype=torch.float32)
-    converted = run_converter(converter, values, module)
+    dtype = _index_dtype(numel)
+    vocab = hf_vocab_size if key.name in VOCAB_PARAMS else None
+    # 1. the index payload: each HF tensor's runs (then the payload and its converted copies are dropped)
+    payload = torch.arange(numel, dtype=dtype).view(shape)
+    index = run_converter(converter, payload, module)
     if not index:
         raise ConverterError(f"{what}: the converter returned no HF tensor")
-    if sorted(index) != sorted(converted):
-        raise ConverterError(f"{what}: the converter returned other HF names for an index payload "
-                             f"({sorted(index)}) than for a float payload ({sorted(converted)})")
-    vocab = hf_vocab_size if key.name in VOCAB_PARAMS else None
-    names, hf_shapes = sorted(index), {}
-    name_ids = torch.full((numel,), -1, dtype=torch.int32)
-    hf_index = torch.full((numel,), -1, dtype=torch.int64)
-    hits = torch.zeros(numel, dtype=torch.int32)
-    flat_values = values.view(-1)
-    for nid, name in enumerate(names):
-        got, vals = index[name], converted[name]
-        if not isinstance(got, torch.Tensor) or got.dtype != torch.int64:
-            raise ConverterError(f"{what}: {name} came out as {getattr(got, 'dtype', type(got).__name__)} from an int64 "
+    names, hf_shapes, out_shapes, by_name = sorted(index), {}, {}, {}
+    for name in names:
+        got = index.pop(name)
+        if not isinstance(got, torch.Tensor) or got.dtype != dtype:
+            raise ConverterError(f"{what}: {name} came out as {getattr(got, 'dtype', type(got).__name__)} from an {dtype} "
                                  f"payload: the converter changes values, it does not only rearrange them")
-        if vals.dtype != torch.float32 or vals.shape != got.shape:
-            raise ConverterError(f"{what}: {name} came out as {vals.dtype} {tuple(vals.shape)} from an fp32 payload "
-                                 f"({tuple(got.shape)} from the index payload): a converter that casts or reshapes "
-                                 f"values differently per dtype is refused")
+        out_shapes[name] = tuple(got.shape)
         if vocab is not None:
             if got.dim() == 0 or got.shape[0] < vocab:
                 raise ConverterError(f"{what}: {name} has {got.shape[0] if got.dim() else 0} rows, fewer than the HF "
                                      f"vocab size {vocab}")
-            got, vals = got[:vocab], vals[:vocab]  # rows past the HF vocab: Megatron's padding, no HF element
-        flat, vflat = got.reshape(-1), vals.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
+            got = got[:vocab]  # rows past the HF vocab: Megatron's padding, no HF element
+        runs = _hf_runs(got.reshape(-1))
+        del got
+        if runs.shape[0] and (int(runs[:, 1].min()) < 0 or int((runs[:, 1] + runs[:, 2]).max()) > numel):
             raise ConverterError(f"{what}: the converter changes values or invents elements: {name} came back from an "
                                  f"index payload with indices outside the param")
-        if not torch.equal(vflat.view(torch.int32), flat_values[flat].view(torch.int32)):
-            bad = int(torch.nonzero(vflat.view(torch.int32) != flat_values[flat].view(torch.int32))[0])
+        by_name[name] = runs
+        hf_shapes[name] = ((vocab,) + out_shapes[name][1:]) if vocab is not None else out_shapes[name]
+    del index
+    emap = ElementMap(key.name, names, _tile(by_name, names, numel, shape, vocab, what), hf_shapes)
+    # 2. the float payload: each HF tensor must hold exactly the payload of the elements its runs name
+    values = _value_payload(shape, numel, payload if dtype == torch.int32 else None)
+    del payload
+    converted = run_converter(converter, values, module)
+    if sorted(converted) != names:
+        raise ConverterError(f"{what}: the converter returned other HF names for an index payload "
+                             f"({names}) than for a float payload ({sorted(converted)})")
+    pflat = values.view(-1).view(torch.int32)
+    for name in names:
+        vals = converted.pop(name)
+        if not isinstance(vals, torch.Tensor) or vals.dtype != torch.float32 or tuple(vals.shape) != out_shapes[name]:
+            raise ConverterError(f"{what}: {name} came out as {getattr(vals, 'dtype', type(vals).__name__)} "
+                                 f"{tuple(getattr(vals, 'shape', ()))} from an fp32 payload ({out_shapes[name]} from the "
+                                 f"index payload): a converter that casts or reshapes values differently per dtype is "
+                                 f"refused")
+        if vocab is not None:
+            vals = vals[:vocab]
+        bad = _first_changed(vals.reshape(-1).view(torch.int32), pflat, by_name[name])
+        if bad is not None:
+            h, f = bad
+            got_v, want_v = (float(t[i: i + 1].view(torch.float32)) for t, i in ((vals.reshape(-1).view(torch.int32), h),
+                                                                                  (pflat, f)))
             raise ConverterError(
-                f"{what}: the converter changes values, it does not only rearrange them ({name} element {bad}: "
-                f"{float(vflat[bad])!r} from {float(flat_values[flat][bad])!r}). Fair Cast's served bits would be "
-                f"rounded again after the cast (zero-centred norms add 1, scaling, dtype casts): use a model and "
-                f"converter that only rearrange weights")
-        hits.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        name_ids[flat] = nid
-        hf_index[flat] = torch.arange(flat.numel(), dtype=torch.int64)
-        hf_shapes[name] = tuple(got.shape)
-    if int(hits.max()) > 1:
-        dup = int(torch.nonzero(hits > 1)[0])
-        raise ConverterError(f"{what}: element {dup} of the param lands in {int(hits[dup])} HF elements; Fair Cast "
-                             f"keys each element once (a bijection onto the HF tensors)")
-    missing = torch.nonzero(hits == 0).view(-1)
-    if missing.numel():
-        rows = numel // shape[0] if shape else 1
-        padded = vocab is not None and int(missing[0]) >= vocab * rows and missing.numel() == numel - vocab * rows
-        if not padded:
-            raise ConverterError(f"{what}: {missing.numel()} elements of the param (first: {int(missing[0])}) land in "
-                                 f"no HF tensor; only padded vocab rows of {', '.join(VOCAB_PARAMS)} may")
-    emap = ElementMap(key.name, names, name_ids, hf_index, hf_shapes)
+                f"{what}: the converter changes values, it does not only rearrange them ({name} element {h}: "
+                f"{got_v!r} from {want_v!r}). Fair Cast's served bits would be rounded again after the cast "
+                f"(zero-centred norms add 1, scaling, dtype casts): use a model and converter that only rearrange "
+                f"weights")
+        del vals
+    del converted, values, pflat
     if key.tp_size > 1 and key.partition_dim >= 0 and is_bridge_mapping(converter):
         _check_tensor_parallel_path(emap, key, converter, module, vocab, what)
     return emap
+
+
+def _tile(by_name: Dict[str, torch.Tensor], names: List[str], numel: int, shape, vocab: Optional[int],
+          what: str) -> torch.Tensor:
+    """The map's runs ``(full first, length, name id, HF first)`` sorted by full index, checked to tile the param:
+    no element twice, none missing but the padded vocab rows (which get name id -1)."""
+    parts = [torch.stack([r[:, 1], r[:, 2], torch.full_like(r[:, 0], nid), r[:, 0]], dim=1)
+             for nid, r in ((names.index(n), by_name[n]) for n in names)]
+    runs = torch.cat(parts) if parts else torch.zeros((0, 4), dtype=torch.int64)
+    runs = runs[torch.argsort(runs[:, 0], stable=True)]
+    first, end = runs[:, 0], runs[:, 0] + runs[:, 1]
+    over = torch.nonzero(first[1:] < torch.cummax(end, 0).values[:-1]).view(-1) if runs.shape[0] > 1 else first[:0]
+    if over.numel():
+        dup = int(first[int(over[0]) + 1])
+        hits = int(((first <= dup) & (end > dup)).sum())
+        raise ConverterError(f"{what}: element {dup} of the param lands in {hits} HF elements; Fair Cast "
+                             f"keys each element once (a bijection onto the HF tensors)")
+    covered = int(runs[:, 1].sum())
+    if covered != numel:
+        prev_end = torch.cat([torch.zeros(1, dtype=torch.int64), end[:-1]])
+        gaps = torch.nonzero(first != prev_end).view(-1)
+        missing0 = int(prev_end[int(gaps[0])]) if gaps.numel() else (int(end[-1]) if runs.shape[0] else 0)
+        rows = numel // shape[0] if shape else 1
+        padded = vocab is not None and missing0 == vocab * rows and covered == vocab * rows
+        if not padded:
+            raise ConverterError(f"{what}: {numel - covered} elements of the param (first: {missing0}) land in "
+                                 f"no HF tensor; only padded vocab rows of {', '.join(VOCAB_PARAMS)} may")
+        runs = torch.cat([runs, torch.tensor([[vocab * rows, numel - vocab * rows, -1, -1]], dtype=torch.int64)])
+    return runs
 
 
 def _check_tensor_parallel_path(emap: ElementMap, key: ParamKey, converter, module, vocab: Optional[int],
@@ -351,26 +463,34 @@ def _check_tensor_parallel_path(emap: ElementMap, key: ParamKey, converter, modu
     """The map is learnt on the TP=1 tensor that layout.py's local -> TP=1 rule assembles; the export runs the
     converter's own TP path on the gathered shards. Run that path on this rank's shard (its TP=1 indices; the other
     ranks' elements -1, no collective) and require every local element to land where the map says."""
-    local = key.indices(0, key.numel).view(key.local_shape)
-    out = run_converter(converter, local, module, key.tp_size, key.tp_rank)
+    local_layout = local_runs(key, 0, key.numel)
+    local = torch.empty(key.numel, dtype=_index_dtype(emap.numel))  # this rank's TP=1 indices, filled run by run
+    for p, f, n in local_layout.tolist():
+        local[p: p + n] = torch.arange(f, f + n, dtype=local.dtype)
+    out = run_converter(converter, local.view(key.local_shape), module, key.tp_size, key.tp_rank)
+    del local
     seen = 0
     for name, got in out.items():
         if vocab is not None and got.dim() and got.shape[0] >= vocab:
             got = got[:vocab]
         flat = got.reshape(-1)
-        where = torch.nonzero(flat >= 0).view(-1)
-        if not where.numel():
-            continue
         nid = emap.names.index(name) if name in emap.names else -2
-        ids, hf = emap.lookup(flat[where])
-        if nid == -2 or not (bool((ids == nid).all()) and torch.equal(hf, where)):
-            raise ConverterError(
-                f"{what}: at tensor parallel rank {key.tp_rank} of {key.tp_size} the converter's own TP path puts this "
-                f"rank's elements elsewhere in {name} than its TP=1 path does on the tensor Megatron's partition rule "
-                f"assembles (partition_dim {key.partition_dim}, stride {key.stride}): Fair Cast cannot tell which is "
-                f"exported. Run this model at tensor parallel size 1, or attach without converters")
-        seen += where.numel()
-    expected = key.numel - int((emap.lookup(local.reshape(-1))[0] < 0).sum())
+        for s in range(0, flat.numel(), CHUNK):  # in chunks: no per-element temporaries of the whole tensor
+            c = flat[s: s + CHUNK]
+            where = torch.nonzero(c >= 0).view(-1)
+            if not where.numel():
+                continue
+            ids, hf = emap.lookup(c[where])
+            if nid == -2 or not (bool((ids == nid).all()) and torch.equal(hf, where + s)):
+                raise ConverterError(
+                    f"{what}: at tensor parallel rank {key.tp_rank} of {key.tp_size} the converter's own TP path puts "
+                    f"this rank's elements elsewhere in {name} than its TP=1 path does on the tensor Megatron's "
+                    f"partition rule assembles (partition_dim {key.partition_dim}, stride {key.stride}): Fair Cast "
+                    f"cannot tell which is exported. Run this model at tensor parallel size 1, or attach without "
+                    f"converters")
+            seen += where.numel()
+    pieces = intersect(local_layout, emap.runs)
+    expected = key.numel - int(pieces[pieces[:, 1] < 0, 3].sum())
     if seen != expected:
         raise ConverterError(f"{what}: at tensor parallel rank {key.tp_rank} of {key.tp_size} the converter's own TP "
                              f"path exports {seen} of this rank's {expected} elements")

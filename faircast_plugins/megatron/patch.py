@@ -32,12 +32,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..audit import reduce_metrics
-from ..cast import fair_cast
+from ..cast import RunTable, fair_cast_runs
 from ..caster import FairCaster, audit_track
 from ..export import save_state
 from ..patching import FairCastPatchError, PatchSet, installed_version
-from .hf_map import ConverterError, HFGroup, VOCAB_PARAMS, build_element_map, converter_lookup, hf_vocab_size_of
+from .hf_map import (ConverterError, HFGroup, VOCAB_PARAMS, build_element_map, converter_lookup, hf_vocab_size_of,
+                     range_runs)
 from .layout import LayoutError, ParamKey, _unwrap, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys
+from .runs import local_runs
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -70,6 +72,9 @@ class MegatronFairCast:
         self.keys = keys
         # (id(param), start, end) of each cast range -> its elements grouped per HF tensor (None: Megatron-native keys)
         self.hf_groups = hf_groups
+        # the same ranges as run tables for one fused cast each: (HF names, keyed runs, padded rows' runs)
+        self._hf_runs = {k: range_runs(g) for k, g in (hf_groups or {}).items()}
+        self._native_runs: Dict[Tuple[int, int, int], RunTable] = {}  # Megatron-native keys, non-contiguous ranges
         self.cast_by_optimizer: Dict[int, int] = {}  # id(sub-optimizer) -> elements cast in this step
         self.problem: Optional[str] = None
         self.last_step_elements = 0
@@ -87,26 +92,30 @@ class MegatronFairCast:
                                                 f"state of the checkpoint (MegatronFairCast.load)")
                 return
             self.caster.update_ema(key.name, main, start=start_value)
-        groups = None if self.hf_groups is None else self.hf_groups.get((id(param), start, end))
-        if groups is not None and self.caster.mode != "error_feedback":  # error feedback is key- and index-free
-            self._cast_hf(key, main, start, dst, groups)
+        plan = self._hf_runs.get((id(param), start, end))
+        if plan is not None and self.caster.mode != "error_feedback":  # error feedback is key- and index-free
+            self._cast_runs(key, main, start, dst, plan)
         elif key.contiguous or self.caster.mode == "error_feedback":
             self.caster.cast(key.name, main, offset=key.offset(start) if key.contiguous else start, out=dst)
         else:
-            self.caster.cast(key.name, main, indices=key.indices(start, end, device=main.device), out=dst)
+            runs = self._native_runs.get((id(param), start, end))
+            if runs is None:  # made once, on the host: one row per chunk of rows of the partitioned dim
+                runs = self._native_runs[(id(param), start, end)] = RunTable(
+                    [[p, f, n, 0] for p, f, n in local_runs(key, start, end).tolist()])
+            self._cast_runs(key, main, start, dst, ([key.name], runs, None))
 
-    def _cast_hf(self, key: ParamKey, main: torch.Tensor, start: int, dst: torch.Tensor, groups: List[HFGroup]) -> None:
-        """One DP range keyed by HF name and HF flat index, one cast per HF tensor it holds (ROUNDING.md §1)."""
+    def _cast_runs(self, key: ParamKey, main: torch.Tensor, start: int, dst: torch.Tensor, plan) -> None:
+        """One DP range that is not one contiguous run of its keys: keyed by HF name and HF flat index (ROUNDING.md
+        §1), or by Megatron-native name and full index at TP > 1. Every run in one launch (padded vocab rows, round-
+        to-nearest, in a second one), no per-element index and no host read."""
         caster = self.caster
         src = caster.source(key.name, main)  # the master, or its EMA (kept per Megatron param range)
-        for i, g in enumerate(groups):
-            g = groups[i] = g.on(src.device)  # its run table moves to the device once
-            mode, k = ("nearest", 0) if g.name is None else (caster.mode, caster.key(g.name))  # padded rows: RTN
-            if g.contiguous:
-                fair_cast(src[g.pos], key=k, offset=g.hf, mode=mode, backend=caster.config.backend, out=dst[g.pos])
-            else:
-                pos, hf = g.expand(src.device)
-                dst[pos] = fair_cast(src[pos], key=k, indices=hf, mode=mode, backend=caster.config.backend)
+        names, keyed, padded = plan
+        if keyed is not None:
+            fair_cast_runs(src, runs=keyed, keys=[caster.key(n) for n in names], mode=caster.mode,
+                           backend=caster.config.backend, out=dst)
+        if padded is not None:
+            fair_cast_runs(src, runs=padded, keys=[0], mode="nearest", backend=caster.config.backend, out=dst)
         if caster.audit is not None:
             caster.audit.observe(audit_track(key.name, start, main), caster.version, main, dst)
 

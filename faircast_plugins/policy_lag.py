@@ -143,10 +143,24 @@ def served_weight(master: torch.Tensor, *, enabled: bool, mode: str, key: int, b
     return fair_cast(master, key=key, mode=mode, backend=backend).float()
 
 
+@contextmanager
+def plain_forward(model: torch.nn.Module):
+    """Inside, ``model(...)`` runs the class's own forward: a mixed-precision wrapper that accelerate (and DeepSpeed,
+    FSDP's accelerate path) sets as an instance attribute ``forward`` enters bf16 autocast inside, which would round
+    the master's weights again in every matmul. Hooks still run (``nn.Module.__call__``)."""
+    wrapped = model.__dict__.pop("forward", None)
+    try:
+        yield
+    finally:
+        if wrapped is not None:
+            model.forward = wrapped
+
+
 def _completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        completion: int) -> torch.Tensor:
     """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids``."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    with plain_forward(model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[:, -completion - 1:-1].float()
 

@@ -222,6 +222,19 @@ class PolicyLagProbe:
         return rows
 
 
+def refuse_policy_metrics(config, where: str) -> None:
+    """Refuse ``policy_metrics_every`` where no adapter measures it (it would be silently absent)."""
+    if getattr(config, "measures_policy", False):
+        from .patching import FairCastPatchError
+
+        raise FairCastPatchError(
+            f"faircast policy_metrics_every={config.policy_metrics_every} is not supported by {where} yet: the "
+            f"faircast/policy_* metrics are measured by TRL's GRPOTrainer and RLOOTrainer in one process or DDP "
+            f"(faircast_policy_metrics_every). Remove the option here; faircast audit's faircast/lag_steps measures "
+            f"the lag in weight space on every stack."
+        )
+
+
 def gather_rows(rows: torch.Tensor, device=None) -> torch.Tensor:
     """Every rank's rows (a collective when torch.distributed is initialised: every rank calls it)."""
     import torch.distributed as dist
@@ -251,5 +264,5 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
     return out
 
 
-__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "sequence_stats", "served_weight",
+__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
            "summarize", "weights_swapped"]

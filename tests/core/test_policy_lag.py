@@ -203,3 +203,20 @@ def test_config_options():
     with pytest.raises(ValueError, match="policy_metrics_seqs"):
         FairCastConfig(policy_metrics_seqs=0)
     assert "policy metrics every 10 steps" in cfg.describe()
+
+
+def test_stacks_without_the_metric_refuse_it_at_activation():
+    from faircast_plugins.caster import FairCaster
+    from faircast_plugins.deepspeed.patch import apply_deepspeed_patch
+    from faircast_plugins.fsdp import register_fsdp_module
+    from faircast_plugins.patching import FairCastPatchError
+    from faircast_plugins.verl.config import read_faircast
+
+    caster = FairCaster(FairCastConfig(policy_metrics_every=10))
+    with pytest.raises(FairCastPatchError, match="apply_deepspeed_patch.*Remove the option"):
+        apply_deepspeed_patch(object(), caster)
+    with pytest.raises(FairCastPatchError, match="register_fsdp_module"):
+        register_fsdp_module(torch.nn.Linear(2, 2), caster)
+    with pytest.raises(ValueError, match="policy_metrics_every=10 is not supported under verl"):
+        read_faircast({"faircast": {"enable": True, "policy_metrics_every": 10}})
+    assert read_faircast({"faircast": {"enable": True}}).policy_metrics_every == 0

@@ -51,6 +51,10 @@ KEYS = (KL_KEY, ESS_KEY, LOG_RATIO_STD_KEY, SEQS_KEY, TOKENS_KEY)
 DEFAULT_SEQS = 4
 #: columns of one sequence's row in :func:`sequence_stats`
 COLUMNS = ("kl_sum", "tokens", "log_ratio")
+#: positions (summed over the sequences) whose float64 log-softmax :func:`sequence_stats` holds at a time
+POSITION_CHUNK = 256
+#: bytes of fp32 logits (both views) one forward of the probe may produce: sequences are scored in chunks under it
+LOGIT_BUDGET = 1 << 30
 
 
 def sequence_stats(served_logits: torch.Tensor, master_logits: torch.Tensor, tokens: torch.Tensor,
@@ -66,13 +70,17 @@ def sequence_stats(served_logits: torch.Tensor, master_logits: torch.Tensor, tok
                          f"{tuple(tokens.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    log_s = torch.log_softmax(served_logits.double() / temperature, dim=-1)
-    log_m = torch.log_softmax(master_logits.double() / temperature, dim=-1)
-    kl = (log_s.exp() * (log_s - log_m)).sum(-1)  # [B, T], exact over the vocabulary
-    idx = tokens.long().unsqueeze(-1)
-    ratio = (log_m.gather(-1, idx) - log_s.gather(-1, idx)).squeeze(-1)
-    m = mask.to(torch.float64)
-    return torch.stack([(kl * m).sum(1), m.sum(1), (ratio * m).sum(1)], dim=1)
+    out = torch.zeros(tokens.shape[0], len(COLUMNS), dtype=torch.float64, device=tokens.device)
+    step = max(1, POSITION_CHUNK // max(1, tokens.shape[0]))
+    for t in range(0, tokens.shape[1], step):  # float64 temporaries of a bounded number of positions at a time
+        log_s = torch.log_softmax(served_logits[:, t:t + step].double() / temperature, dim=-1)
+        log_m = torch.log_softmax(master_logits[:, t:t + step].double() / temperature, dim=-1)
+        kl = (log_s.exp() * (log_s - log_m)).sum(-1)  # [B, chunk], exact over the vocabulary
+        idx = tokens[:, t:t + step].long().unsqueeze(-1)
+        ratio = (log_m.gather(-1, idx) - log_s.gather(-1, idx)).squeeze(-1)
+        m = mask[:, t:t + step].to(torch.float64)
+        out += torch.stack([(kl * m).sum(1), m.sum(1), (ratio * m).sum(1)], dim=1)
+    return out
 
 
 def summarize(stats: torch.Tensor) -> Dict[str, float]:
@@ -169,10 +177,10 @@ class PolicyLagProbe:
     """Measures ``faircast/policy_*`` every ``every`` optimizer steps on the first ``seqs`` sequences of a batch.
 
     The adapter gives the two weight views of its model as parameter -> tensor functions (None: the parameter as it
-    is): ``served`` (what the rollout engine holds) and ``master`` (what the optimizer trains). Each measured sequence
-    costs two no-grad forwards, one per view, one sequence at a time: the extra memory is the two ``[T, V]`` fp32
-    logits of one sequence (``8 T V`` bytes, e.g. 1.2 GB at 1,000 tokens x 152k vocabulary) plus one module's
-    weights."""
+    is): ``served`` (what the rollout engine holds) and ``master`` (what the optimizer trains). A measurement is two
+    no-grad fp32 forwards over the ``seqs`` sequences, one per view, in as few chunks as :data:`LOGIT_BUDGET` allows
+    (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes: one sequence per chunk at 1,000 tokens x 152k vocabulary,
+    1.2 GB), plus one module's other weights at a time and float64 scratch for :data:`POSITION_CHUNK` positions."""
 
     def __init__(self, every: int, seqs: int = DEFAULT_SEQS):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -196,19 +204,22 @@ class PolicyLagProbe:
         self.measured_step = step
         rows = []
         device_type = completion_ids.device.type
+        count, length = min(self.seqs, completion_ids.shape[0]), completion_ids.shape[1]
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        chunk = count if not vocab else max(1, min(count, LOGIT_BUDGET // (8 * length * int(vocab))))
         was_training = model.training
         model.eval()  # no dropout: both views score the same function of the weights
         try:
             with torch.autocast(device_type=device_type, enabled=False):
-                for i in range(min(self.seqs, completion_ids.shape[0])):
-                    ids = torch.cat([prompt_ids[i:i + 1], completion_ids[i:i + 1]], dim=1)
-                    att = torch.cat([prompt_mask[i:i + 1], completion_mask[i:i + 1]], dim=1)
-                    length = completion_ids.shape[1]
+                for i in range(0, count, chunk):  # as many sequences per forward as the logit budget allows
+                    j = min(count, i + chunk)
+                    ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
+                    att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
                     with weights_swapped(model, served):
                         s = _completion_logits(model, ids, att, length)
                     with weights_swapped(model, master):
                         m = _completion_logits(model, ids, att, length)
-                    rows.append(sequence_stats(s, m, completion_ids[i:i + 1], completion_mask[i:i + 1], temperature))
+                    rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
                     del s, m
         finally:
             model.train(was_training)

@@ -159,10 +159,11 @@ def policy_summary(result: dict, seqs: int, size: harness.Size, every: int = 10)
         on = rows.get(base + PROBE)
         if on is None or base not in rows:
             continue
-        ratio = on["ms_median"] / rows[base]["ms_median"]
+        ratio = on["ratio_median"] / rows[base]["ratio_median"]  # each paired with flag off in its repetition
+        probe_ms = on["breakdown_ms"].get("hook: policy probe")
         harness.say(f"  {base:<12} probe every step {ratio:.2f}x its base arm -> every {every}: "
-                    f"{100 * (ratio - 1) / every:+.1f}% of a step (median times; probe "
-                    f"{on['breakdown_ms'].get('hook: policy probe', float('nan')):.1f} ms instrumented)")
+                    f"{100 * (ratio - 1) / every:+.1f}% of a step (paired median ratios"
+                    + (f"; probe {probe_ms:.0f} ms instrumented)" if probe_ms else ")"))
 
 
 if __name__ == "__main__":

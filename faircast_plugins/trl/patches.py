@@ -92,17 +92,18 @@ def _trainer_init(trainer_name: str):
             cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
             if cfg is not None and cfg.active:
                 check_args(trainer_name, bound["args"], bound.get("peft_config"))
+                if cfg.measures_policy and trainer_name not in COMPUTE_LOSS:  # before any model is loaded
+                    raise FairCastPatchError(
+                        f"{trainer_name}(faircast_policy_metrics_every={cfg.policy_metrics_every}) is not supported: "
+                        f"the policy metrics score the batch in GRPOTrainer's and RLOOTrainer's compute_loss. Use one "
+                        f"of those, or set faircast_policy_metrics_every=0 (faircast_audit measures the lag in weight "
+                        f"space)."
+                    )
             original(self, *args, **kwargs)
             cfg = faircast_config(self.args)
             if cfg is None or not cfg.active:
                 return
             check_trainer(trainer_name, self)
-            if cfg.measures_policy and trainer_name not in COMPUTE_LOSS:
-                raise FairCastPatchError(
-                    f"{trainer_name}(faircast_policy_metrics_every={cfg.policy_metrics_every}) is not supported: the "
-                    f"policy metrics score the batch in GRPOTrainer's and RLOOTrainer's compute_loss. Use one of those, "
-                    f"or set faircast_policy_metrics_every=0 (faircast_audit measures the lag in weight space)."
-                )
             if getattr(self, "is_deepspeed_enabled", False):
                 install_deepspeed_patch()  # now, so that a DeepSpeed resume (before on_train_begin) reaches the callback
             callback = FairCastCallback(self, cfg)

@@ -50,7 +50,7 @@ class FairCastConfig:
     audit_sample: int = 4096
     backend: str = "auto"
     policy_metrics_every: int = 0
-    policy_metrics_seqs: int = 4
+    policy_metrics_seqs: int = 2
 
     def __post_init__(self) -> None:
         self.enabled = parse_bool(self.enabled, "faircast.enable")

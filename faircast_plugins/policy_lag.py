@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .cast import fair_cast
+from .config import FairCastConfig
 
 KL_KEY = "faircast/policy_kl"
 ESS_KEY = "faircast/policy_ess_frac"
@@ -47,8 +48,8 @@ SEQS_KEY = "faircast/policy_seqs"
 TOKENS_KEY = "faircast/policy_tokens"
 KEYS = (KL_KEY, ESS_KEY, LOG_RATIO_STD_KEY, SEQS_KEY, TOKENS_KEY)
 
-#: sequences of the batch measured by default (per rank)
-DEFAULT_SEQS = 4
+#: sequences of the batch measured by default (per rank): the config's default
+DEFAULT_SEQS = FairCastConfig.policy_metrics_seqs
 #: columns of one sequence's row in :func:`sequence_stats`
 COLUMNS = ("kl_sum", "tokens", "log_ratio")
 #: positions (summed over the sequences) whose float64 log-softmax :func:`sequence_stats` holds at a time

@@ -68,7 +68,7 @@ class FairCastArguments:
     faircast_resume_without_state: bool = field(default=False, metadata={"help": _HELP["faircast_resume_without_state"]})
     faircast_master_bytes: Optional[int] = field(default=None, metadata={"help": _HELP["faircast_master_bytes"]})
     faircast_policy_metrics_every: int = field(default=0, metadata={"help": _HELP["faircast_policy_metrics_every"]})
-    faircast_policy_metrics_seqs: int = field(default=4, metadata={"help": _HELP["faircast_policy_metrics_seqs"]})
+    faircast_policy_metrics_seqs: int = field(default=FairCastConfig.policy_metrics_seqs, metadata={"help": _HELP["faircast_policy_metrics_seqs"]})
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FairCastArguments))
@@ -85,7 +85,7 @@ def faircast_config(args: Any) -> Optional[FairCastConfig]:
         mode=args.faircast_mode, seed=args.faircast_seed, ema_decay=args.faircast_ema_decay, audit=args.faircast_audit,
         audit_sample=args.faircast_audit_sample, backend=args.faircast_backend,
         policy_metrics_every=getattr(args, "faircast_policy_metrics_every", 0),
-        policy_metrics_seqs=getattr(args, "faircast_policy_metrics_seqs", 4),
+        policy_metrics_seqs=getattr(args, "faircast_policy_metrics_seqs", FairCastConfig.policy_metrics_seqs),
     )
     if isinstance(value, dict):  # YAML ``faircast: {mode: ..., seed: ...}``: the mapping wins over the defaults
         return FairCastConfig.from_value(value, **{k: v for k, v in overrides.items() if k not in value})

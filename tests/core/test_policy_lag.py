@@ -196,7 +196,7 @@ def test_probe_is_due_once_per_multiple_of_every():
 
 def test_config_options():
     cfg = FairCastConfig.from_value({"enable": False, "policy_metrics_every": "10"})
-    assert cfg.policy_metrics_every == 10 and cfg.policy_metrics_seqs == 4 and cfg.measures_policy and cfg.active
+    assert cfg.policy_metrics_every == 10 and cfg.policy_metrics_seqs == 2 and cfg.measures_policy and cfg.active
     assert not FairCastConfig().measures_policy and not FairCastConfig().active
     for bad in (-1, True, "x", 1.5):
         with pytest.raises(ValueError, match="policy_metrics_every"):

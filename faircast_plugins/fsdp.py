@@ -373,7 +373,7 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     frozen parameters keep FSDP's round-to-nearest cast (they never move, so there is nothing to make fair,
     and stochastic rounding would make them jitter between versions). Call :func:`apply_fsdp_cast_patches` too.
     """
-    refuse_policy_metrics(caster.config, "register_fsdp_module (FSDP under TRL and verl)")
+    refuse_policy_metrics(caster, "register_fsdp_module (FSDP under TRL and verl)")
     names = {id(p): canonical_name(n) for n, p in root.named_parameters()}
     _LAYOUTS.pop(caster, None)  # shard layouts are learnt again at the next export
     registered = {**_register_fsdp2(root, caster, names, trainable_only), **_register_fsdp1(root, caster, trainable_only)}

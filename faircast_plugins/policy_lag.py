@@ -234,15 +234,17 @@ class PolicyLagProbe:
         return rows
 
 
-def refuse_policy_metrics(config, where: str) -> None:
-    """Refuse ``policy_metrics_every`` where no adapter measures it (it would be silently absent)."""
-    if getattr(config, "measures_policy", False):
+def refuse_policy_metrics(caster, where: str) -> None:
+    """Refuse ``policy_metrics_every`` where no adapter measures it (it would be silently absent): a cast-site patch
+    given a caster whose adapter did not set ``caster.policy_measured``."""
+    config = caster.config
+    if getattr(config, "measures_policy", False) and not getattr(caster, "policy_measured", False):
         from .patching import FairCastPatchError
 
         raise FairCastPatchError(
             f"faircast policy_metrics_every={config.policy_metrics_every} is not supported by {where} yet: the "
-            f"faircast/policy_* metrics are measured by TRL's GRPOTrainer and RLOOTrainer in one process or DDP "
-            f"(faircast_policy_metrics_every). Remove the option here; faircast audit's faircast/lag_steps measures "
+            f"faircast/policy_* metrics are measured by TRL's GRPOTrainer and RLOOTrainer in one process, DDP or "
+            f"DeepSpeed ZeRO-0/1/2 (faircast_policy_metrics_every). Remove the option here; faircast audit's faircast/lag_steps measures "
             f"the lag in weight space on every stack."
         )
 

@@ -405,7 +405,7 @@ def apply_deepspeed_patch(engine, caster: FairCaster, *, module: Optional[torch.
     config is neither enabled nor auditing (the engine is left untouched). Raises
     :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported DeepSpeed versions or modes.
     """
-    refuse_policy_metrics(caster.config, "apply_deepspeed_patch (DeepSpeed, OpenRLHF)")
+    refuse_policy_metrics(caster, "apply_deepspeed_patch (DeepSpeed, OpenRLHF)")
     if not caster.config.active:
         return None
     install_deepspeed_patch()

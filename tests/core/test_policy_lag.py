@@ -213,7 +213,7 @@ def test_stacks_without_the_metric_refuse_it_at_activation():
     from faircast_plugins.patching import FairCastPatchError
     from faircast_plugins.verl.config import read_faircast
 
-    caster = FairCaster(FairCastConfig(policy_metrics_every=10))
+    caster = FairCaster(FairCastConfig(policy_metrics_every=10))  # no adapter set caster.policy_measured
     with pytest.raises(FairCastPatchError, match="apply_deepspeed_patch.*Remove the option"):
         apply_deepspeed_patch(object(), caster)
     with pytest.raises(FairCastPatchError, match="register_fsdp_module"):

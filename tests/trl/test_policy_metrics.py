@@ -81,3 +81,21 @@ def test_backends_without_two_views_refuse_at_construction():
 
     with pytest.raises(FairCastPatchError, match="faircast_policy_metrics_every=0"):
         Backend.__new__(Backend).check_policy_metrics("GRPOTrainer")
+
+
+def test_deepspeed_zero3_refuses_and_zero2_marks_the_caster():
+    from types import SimpleNamespace
+
+    from faircast_plugins import FairCastConfig, FairCaster
+    from faircast_plugins.trl.backends.deepspeed import DeepSpeedBackend
+
+    def backend(stage):
+        state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(state=state))
+        return DeepSpeedBackend(trainer, FairCaster(FairCastConfig(policy_metrics_every=3)))
+
+    with pytest.raises(FairCastPatchError, match="ZeRO-3.*faircast_policy_metrics_every=0"):
+        backend(3).check_policy_metrics("GRPOTrainer")
+    ok = backend(2)
+    ok.check_policy_metrics("GRPOTrainer")
+    assert ok.caster.policy_measured  # apply_deepspeed_patch accepts the option from this adapter

@@ -84,6 +84,10 @@ class _Residual:
 class FairCaster:
     """Casts fp32 masters to the served bf16 copy at the current weight version."""
 
+    #: set by an adapter that measures the ``faircast/policy_*`` metrics itself (TRL's backends): the cast-site patches
+    #: refuse ``policy_metrics_every`` only where nothing measures it
+    policy_measured = False
+
     def __init__(self, config: Optional[FairCastConfig] = None, *, version: int = 0):
         self.config = config if config is not None else FairCastConfig(enabled=True)
         self.version = version

@@ -36,6 +36,10 @@ class FairCastConfig:
     audit:     compute the ``faircast/*`` metrics each step (works with ``enabled=False`` too, to measure lag).
     audit_sample: elements sampled per parameter for the metrics (bounded cost on any model size).
     backend:   ``auto`` (Triton on CUDA, numba on CPU, else torch), ``torch``, ``triton`` or ``cpu``.
+    policy_metrics_every: every N optimizer steps, the ``faircast/policy_*`` metrics (per-token KL and effective
+               sample fraction between the served copy and the master on a few sequences of the batch,
+               :mod:`faircast_plugins.policy_lag`); 0 = off. Works with ``enabled=False`` too.
+    policy_metrics_seqs: sequences of the batch (per rank) those metrics score.
     """
 
     enabled: bool = False
@@ -45,6 +49,8 @@ class FairCastConfig:
     audit: bool = False
     audit_sample: int = 4096
     backend: str = "auto"
+    policy_metrics_every: int = 0
+    policy_metrics_seqs: int = 2
 
     def __post_init__(self) -> None:
         self.enabled = parse_bool(self.enabled, "faircast.enable")
@@ -64,13 +70,20 @@ class FairCastConfig:
             raise ValueError(f"faircast.audit_sample must be a positive int, got {self.audit_sample!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"faircast.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        self.policy_metrics_every = _count(self.policy_metrics_every, "faircast.policy_metrics_every", 0)
+        self.policy_metrics_seqs = _count(self.policy_metrics_seqs, "faircast.policy_metrics_seqs", 1)
         if self.mode == "error_feedback" and self.ema_decay:
             raise ValueError("faircast: ema_decay with mode=error_feedback is not supported; use stochastic or sticky")
 
     @property
     def active(self) -> bool:
-        """True when the trainer must keep masters aside and cast each step (Fair Cast on, or audit only)."""
-        return self.enabled or self.audit
+        """True when the adapter must attach to the trainer: Fair Cast on, audit only, or the policy metrics only."""
+        return self.enabled or self.audit or self.measures_policy
+
+    @property
+    def measures_policy(self) -> bool:
+        """True when the ``faircast/policy_*`` metrics are asked for (``policy_metrics_every > 0``)."""
+        return self.policy_metrics_every > 0
 
     @property
     def keeps_state(self) -> bool:
@@ -89,7 +102,7 @@ class FairCastConfig:
         """Build from what a user wrote: a bool (``faircast: true``), a mapping, a string or a config.
 
         Mapping keys: ``enable``/``enabled``, ``mode``, ``seed``, ``ema_decay``, ``audit``, ``audit_sample``,
-        ``backend``. Unknown keys are an error, never ignored.
+        ``backend``, ``policy_metrics_every``, ``policy_metrics_seqs``. Unknown keys are an error, never ignored.
         """
         if isinstance(value, cls):
             base: dict[str, Any] = dataclasses.asdict(value)
@@ -112,10 +125,20 @@ class FairCastConfig:
         return cls(**base)
 
     def describe(self) -> str:
+        policy = f", policy metrics every {self.policy_metrics_every} steps" if self.measures_policy else ""
         if not self.enabled:
-            return "off" + (" (audit on: measuring the round-to-nearest baseline)" if self.audit else "")
+            return "off" + (" (audit on: measuring the round-to-nearest baseline)" if self.audit else "") + policy
         extra = f", ema_decay={self.ema_decay}" if self.ema_decay else ""
-        return f"mode={self.mode}, seed={self.seed}{extra}, audit={'on' if self.audit else 'off'}"
+        return f"mode={self.mode}, seed={self.seed}{extra}, audit={'on' if self.audit else 'off'}{policy}"
+
+
+def _count(value: Any, what: str, least: int) -> int:
+    """An int >= ``least`` (or its string from a YAML/CLI); a clear ValueError otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} must be an int >= {least}, got {value!r}")
+    return value
 
 
 __all__ = ["FairCastConfig", "MODES", "parse_bool"]

@@ -47,6 +47,7 @@ from torch import nn
 
 from .cast import fair_cast_many
 from .caster import FairCaster, audit_track
+from .policy_lag import refuse_policy_metrics
 from .key import canonical_name
 from .patching import FairCastPatchError, PatchSet
 
@@ -372,6 +373,7 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     frozen parameters keep FSDP's round-to-nearest cast (they never move, so there is nothing to make fair,
     and stochastic rounding would make them jitter between versions). Call :func:`apply_fsdp_cast_patches` too.
     """
+    refuse_policy_metrics(caster, "register_fsdp_module (FSDP under TRL and verl)")
     names = {id(p): canonical_name(n) for n, p in root.named_parameters()}
     _LAYOUTS.pop(caster, None)  # shard layouts are learnt again at the next export
     registered = {**_register_fsdp2(root, caster, names, trainable_only), **_register_fsdp1(root, caster, trainable_only)}

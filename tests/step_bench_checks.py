@@ -31,7 +31,11 @@ def check_step_bench_smoke(driver: list, tmp_path, *, one_process_masters: bool 
     assert "ratio (med)" in run.stdout and "breakdown" in run.stdout
     result = json.loads(out.read_text())
     rows = {r["arm"]: r for r in result["rows"]}
-    assert list(rows) == ["flag off", "stochastic", "error_feedback + audit"]
+    probes = ["flag off + policy probe", "stochastic + policy probe"] if "--policy-seqs" in driver else []
+    assert list(rows) == ["flag off", "stochastic", "error_feedback + audit", *probes]
+    if probes:  # trl_plain.py --policy-seqs: the faircast/policy_* probe ran each step and its cost line printed
+        assert "cost per step at faircast_policy_metrics_every=10" in run.stdout
+        assert run.stdout.count("probe every step") == 2
     assert result["smoke"] and result["reps"] == 1 and result["params"] > 0
     assert rows["flag off"]["ratio_median"] == 1.0 and rows["flag off"]["state_bytes"] == 0
     assert all(r["ms_median"] > 0 for r in rows.values())

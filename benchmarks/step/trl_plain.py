@@ -8,6 +8,11 @@ vLLM engine receives (TRL's export stream through the callback, each tensor cast
 does). Generation and rewards are the same with the flag on and off and are left out.
 
     python benchmarks/step/trl_plain.py [--smoke] [--reps N] [--arms 'flag off,stochastic']
+
+``--policy-seqs K`` adds two arms, "flag off + policy probe" and "stochastic + policy probe", that run the
+``faircast/policy_*`` probe (``faircast_policy_metrics_every``, :mod:`faircast_plugins.policy_lag`) at every step on
+K sequences of the step's batch (the last 3/4 of each sequence as its completion): their ratio minus 1, divided by
+N, is what the probe costs a step at ``faircast_policy_metrics_every: N`` (printed for N = 10).
 """
 from __future__ import annotations
 
@@ -28,7 +33,11 @@ PATH = "TRL, one process (shadow masters)"
 MEM_TARGET = 2.0  # B/param for stochastic/sticky (issue #21)
 
 
-def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: str, master_bytes: int = 2):
+PROBE = " + policy probe"
+
+
+def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: str, master_bytes: int = 2,
+                     policy_seqs: int = 0):
     import faircast_plugins.trl  # noqa: F401  (patches TRL, its configs included: import first)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -42,7 +51,9 @@ def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: 
         return [0.0 for _ in completions]
 
     def make(label: str, mode, audit: bool) -> harness.Arm:
+        probe = label.endswith(PROBE)
         args = GRPOConfig(
+            faircast_policy_metrics_every=1 if probe else 0, faircast_policy_metrics_seqs=max(1, policy_seqs),
             output_dir=os.path.join(out_dir, label.replace(" ", "_")), faircast=mode is not None,
             faircast_mode=mode or "stochastic", faircast_audit=audit, faircast_seed=1234, faircast_backend=backend, faircast_master_bytes=master_bytes,
             bf16=True, use_cpu=True,
@@ -60,8 +71,14 @@ def make_arm_factory(model_dir: str, out_dir: str, size: harness.Size, backend: 
         if callback is not None:
             callback.on_train_begin(args, trainer.state, trainer.control)
         sent = {}
+        prompt = max(1, size.seq // 4)
+        inputs = {"prompt_ids": ids[:, :prompt], "prompt_mask": torch.ones_like(ids[:, :prompt]),
+                  "completion_ids": ids[:, prompt:], "completion_mask": torch.ones_like(ids[:, prompt:])}
 
         def step() -> None:
+            if probe:  # what the patched compute_loss does on a due step, before the loss
+                callback.measure_policy(inputs, trainer.state.global_step, 1.0)
+                callback.policy.take()
             model.train()
             with trainer.compute_loss_context_manager():
                 loss = harness.lm_loss(model, ids)
@@ -98,11 +115,16 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap(cb, "on_pre_optimizer_step", "hook: before step (copies)")
     timers.wrap(cb, "on_optimizer_step", "hook: after step (copies + cast)")
     timers.wrap_generator(cb, "export", "hook: export")
+    if cb.policy is not None:
+        timers.wrap(cb, "measure_policy", "hook: policy probe")
 
 
 def main() -> int:
     harness.reexec_for_rss()
     parser = harness.arguments(__doc__.split("\n")[0])
+    parser.add_argument("--policy-seqs", type=int, default=0,
+                        help="also time the faircast/policy_* probe on this many sequences per step (arms "
+                             "'flag off + policy probe', 'stochastic + policy probe')")
     parser.add_argument("--master-bytes", type=int, choices=(2, 4), default=2,
                         help="faircast_master_bytes of the Fair Cast arms (2: low 16 bits, the default; 4: fp32)")
     args = parser.parse_args()
@@ -117,9 +139,31 @@ def main() -> int:
         del model
         path = f"{PATH}, {args.master_bytes} B masters"
         harness.header(path, size, params, args)
-        harness.measure(path, make_arm_factory(tmp, tmp, size, args.backend, args.master_bytes), hooks, params, args,
-                        mem_target=MEM_TARGET)
+        if args.policy_seqs:
+            harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
+            if args.arms:
+                args.arms += f",flag off{PROBE},stochastic{PROBE}"
+        result = harness.measure(path, make_arm_factory(tmp, tmp, size, args.backend, args.master_bytes,
+                                                        args.policy_seqs), hooks, params, args, mem_target=MEM_TARGET)
+        if args.policy_seqs:
+            policy_summary(result, args.policy_seqs, size)
     return 0
+
+
+def policy_summary(result: dict, seqs: int, size: harness.Size, every: int = 10) -> None:
+    """The probe's cost per step at faircast_policy_metrics_every = ``every``: (probe arm / its base arm - 1) / every."""
+    rows = {r["arm"]: r for r in result["rows"]}
+    harness.say(f"\npolicy probe ({seqs} sequences of {size.seq} tokens, two fp32 forwards each; the batch is "
+                f"{size.batch} x {size.seq}): cost per step at faircast_policy_metrics_every={every}")
+    for base in ("flag off", "stochastic"):
+        on = rows.get(base + PROBE)
+        if on is None or base not in rows:
+            continue
+        ratio = on["ratio_median"] / rows[base]["ratio_median"]  # each paired with flag off in its repetition
+        probe_ms = on["breakdown_ms"].get("hook: policy probe")
+        harness.say(f"  {base:<12} probe every step {ratio:.2f}x its base arm -> every {every}: "
+                    f"{100 * (ratio - 1) / every:+.1f}% of a step (paired median ratios"
+                    + (f"; probe {probe_ms:.0f} ms instrumented)" if probe_ms else ")"))
 
 
 if __name__ == "__main__":

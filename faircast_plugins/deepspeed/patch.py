@@ -48,6 +48,7 @@ from ..caster import FairCaster
 from ..export import save_state
 from ..key import canonical_name
 from ..patching import FairCastPatchError, PatchSet, temporarily
+from ..policy_lag import refuse_policy_metrics
 from .layout import WeightLayout, copy_back_elements
 
 logger = logging.getLogger("faircast_plugins")
@@ -404,6 +405,7 @@ def apply_deepspeed_patch(engine, caster: FairCaster, *, module: Optional[torch.
     config is neither enabled nor auditing (the engine is left untouched). Raises
     :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported DeepSpeed versions or modes.
     """
+    refuse_policy_metrics(caster, "apply_deepspeed_patch (DeepSpeed, OpenRLHF)")
     if not caster.config.active:
         return None
     install_deepspeed_patch()

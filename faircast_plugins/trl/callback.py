@@ -15,6 +15,10 @@ what is the same for all of them:
 
 With only ``faircast_audit`` on, nothing is swapped: the callback measures how far the round-to-nearest copy that
 vLLM serves trails the master, and TRL's logs get the same ``faircast/*`` metrics.
+
+With ``faircast_policy_metrics_every: N`` (Fair Cast on or off), every N optimizer steps the patched ``compute_loss``
+calls :meth:`FairCastCallback.measure_policy` on its batch, and the next log gets the ``faircast/policy_*`` metrics
+(:mod:`faircast_plugins.policy_lag`: per-token KL and sequence ESS/n between the served copy and the master).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from transformers import TrainerCallback
 from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..patching import FairCastPatchError
+from ..policy_lag import PolicyLagProbe, gather_rows, metrics_of
 from .backends import INFO_FILE, Backend, backend_for
 from .refusals import check_optimizer
 
@@ -43,6 +48,10 @@ class FairCastCallback(TrainerCallback):
         self.backend: Backend = backend_for(trainer, self.caster)
         self.resume_dir: Optional[str] = None  # set by the patched Trainer._load_from_checkpoint
         self._served: Optional["torch.cuda.Event"] = None  # recorded where the newest served copy was written
+        self.policy: Optional[PolicyLagProbe] = None  # the faircast/policy_* metrics, when asked for
+        if config.measures_policy:
+            self.backend.check_policy_metrics(type(trainer).__name__)
+            self.policy = PolicyLagProbe(config.policy_metrics_every, config.policy_metrics_seqs)
 
     @property
     def shadow(self) -> bool:
@@ -153,8 +162,25 @@ class FairCastCallback(TrainerCallback):
             stream.wait_stream(torch.cuda.default_stream(device))
 
     def metrics(self) -> Dict[str, float]:
-        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``)."""
-        return self.backend.metrics()
+        """``faircast/*`` metrics since the last log (the audit ones only with ``faircast_audit``; the policy ones only
+        with ``faircast_policy_metrics_every``, gathered from every process: a collective, every rank logs)."""
+        out = self.backend.metrics()
+        if self.policy is not None:
+            out.update(metrics_of(gather_rows(self.policy.take(), device=self.trainer.accelerator.device)))
+        return out
+
+    def measure_policy(self, inputs, step: int, temperature: float) -> None:
+        """From the patched ``compute_loss``: on optimizer steps that are multiples of N, score the first sequences of
+        ``inputs`` (``prompt_ids``/``prompt_mask``/``completion_ids``/``completion_mask``) under the served copy and the
+        master (:meth:`Backend.policy_views`)."""
+        if self.policy is None or not self.policy.due(step):
+            return
+        served, master = self.backend.policy_views()
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:  # tokens the loss does not train (tool outputs) do not count
+            mask = mask * inputs["tool_mask"]
+        self.policy.measure(self.backend.model(), step, inputs["prompt_ids"], inputs["prompt_mask"],
+                            inputs["completion_ids"], mask, served=served, master=master, temperature=temperature)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:

@@ -33,6 +33,12 @@ _HELP = {
     "faircast_ema_decay": "Fair Cast: serve an EMA of the fp32 master with this decay in [0, 1); 0 = off.",
     "faircast_audit": "Fair Cast audit: log faircast/* metrics (lag, bias, changed fractions); works with faircast off.",
     "faircast_audit_sample": "Fair Cast audit: elements sampled per parameter for the metrics.",
+    "faircast_policy_metrics_every": (
+        "Fair Cast policy metrics: every N optimizer steps, log faircast/policy_kl (per-token KL between the served "
+        "copy and the fp32 master) and faircast/policy_ess_frac (sequence-level effective sample fraction) on a few "
+        "sequences of the batch; 0 = off. Works with faircast off (then it measures round to nearest)."
+    ),
+    "faircast_policy_metrics_seqs": "Fair Cast policy metrics: sequences of the batch scored, per process.",
     "faircast_backend": "Fair Cast kernel: 'auto' (Triton on CUDA, numba on CPU), 'torch', 'triton' or 'cpu'.",
     "faircast_master_bytes": (
         "Fair Cast, one process/DDP with stochastic, sticky or nearest: bytes per parameter kept for the fp32 masters. "
@@ -61,6 +67,8 @@ class FairCastArguments:
     faircast_backend: str = field(default="auto", metadata={"help": _HELP["faircast_backend"]})
     faircast_resume_without_state: bool = field(default=False, metadata={"help": _HELP["faircast_resume_without_state"]})
     faircast_master_bytes: Optional[int] = field(default=None, metadata={"help": _HELP["faircast_master_bytes"]})
+    faircast_policy_metrics_every: int = field(default=0, metadata={"help": _HELP["faircast_policy_metrics_every"]})
+    faircast_policy_metrics_seqs: int = field(default=FairCastConfig.policy_metrics_seqs, metadata={"help": _HELP["faircast_policy_metrics_seqs"]})
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FairCastArguments))
@@ -76,6 +84,8 @@ def faircast_config(args: Any) -> Optional[FairCastConfig]:
     overrides = dict(
         mode=args.faircast_mode, seed=args.faircast_seed, ema_decay=args.faircast_ema_decay, audit=args.faircast_audit,
         audit_sample=args.faircast_audit_sample, backend=args.faircast_backend,
+        policy_metrics_every=getattr(args, "faircast_policy_metrics_every", 0),
+        policy_metrics_seqs=getattr(args, "faircast_policy_metrics_seqs", FairCastConfig.policy_metrics_seqs),
     )
     if isinstance(value, dict):  # YAML ``faircast: {mode: ..., seed: ...}``: the mapping wins over the defaults
         return FairCastConfig.from_value(value, **{k: v for k, v in overrides.items() if k not in value})
@@ -88,6 +98,7 @@ def _post_init(self) -> None:
     self.faircast, self.faircast_mode, self.faircast_seed = cfg.enabled, cfg.mode, cfg.seed
     self.faircast_ema_decay, self.faircast_audit = cfg.ema_decay, cfg.audit
     self.faircast_audit_sample, self.faircast_backend = cfg.audit_sample, cfg.backend
+    self.faircast_policy_metrics_every, self.faircast_policy_metrics_seqs = cfg.policy_metrics_every, cfg.policy_metrics_seqs
     self.faircast_resume_without_state = parse_bool(self.faircast_resume_without_state, "faircast_resume_without_state")
     self.faircast_master_bytes = master_bytes(self.faircast_master_bytes)
 

@@ -22,6 +22,10 @@ refuses any TRL outside :data:`SUPPORTED`.
 * ``Trainer._load_from_checkpoint``: remember the checkpoint so the callback restores the Fair Cast state.
 * ``Trainer.log``: add ``faircast/*`` metrics to TRL's logs; with ``faircast_audit`` also ``faircast/lag_cost``
   (:mod:`faircast_plugins.lag_cost`, from TRL's logged ``reward``).
+* ``GRPOTrainer`` / ``RLOOTrainer.compute_loss``: with ``faircast_policy_metrics_every: N``, every N optimizer steps
+  the first sequences of the batch are scored under the served copy and the master before the loss
+  (:meth:`FairCastCallback.measure_policy`); the next log gets ``faircast/policy_*``. Online DPO and AsyncGRPO refuse
+  the option.
 * ``Trainer.evaluate``: refused before Fair Cast is attached to the engine (DeepSpeed, FSDP before the first
   ``train()``); in one process or DDP the policy serves the copy from construction on.
 
@@ -62,6 +66,11 @@ VLLM_EXPORT = "trl.generation.vllm_generation:VLLMGeneration._iter_named_params"
 SAVE_MODEL = "transformers.trainer:Trainer.save_model"
 LOAD_CHECKPOINT = "transformers.trainer:Trainer._load_from_checkpoint"
 LOG = "transformers.trainer:Trainer.log"
+#: the loss of the trainers whose batch the policy metrics score (prompt_ids, completion_ids and their masks)
+COMPUTE_LOSS = {
+    "GRPOTrainer": "trl.trainer.grpo_trainer:GRPOTrainer.compute_loss",
+    "RLOOTrainer": "trl.trainer.rloo_trainer:RLOOTrainer.compute_loss",
+}
 EVALUATE = "transformers.trainer:Trainer.evaluate"
 #: TRL's mean reward of a logged step, which ``faircast/lag_cost`` multiplies the lag by the slope of
 REWARD_KEY = "reward"
@@ -83,6 +92,13 @@ def _trainer_init(trainer_name: str):
             cfg = faircast_config(bound["args"]) if bound.get("args") is not None else None
             if cfg is not None and cfg.active:
                 check_args(trainer_name, bound["args"], bound.get("peft_config"))
+                if cfg.measures_policy and trainer_name not in COMPUTE_LOSS:  # before any model is loaded
+                    raise FairCastPatchError(
+                        f"{trainer_name}(faircast_policy_metrics_every={cfg.policy_metrics_every}) is not supported: "
+                        f"the policy metrics score the batch in GRPOTrainer's and RLOOTrainer's compute_loss. Use one "
+                        f"of those, or set faircast_policy_metrics_every=0 (faircast_audit measures the lag in weight "
+                        f"space)."
+                    )
             original(self, *args, **kwargs)
             cfg = faircast_config(self.args)
             if cfg is None or not cfg.active:
@@ -211,6 +227,17 @@ def _evaluate(original):
     return evaluate
 
 
+def _compute_loss(original):
+    @functools.wraps(original)
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        callback = find_callback(self)
+        if callback is not None and callback.policy is not None and model.training:
+            callback.measure_policy(inputs, self.state.global_step, float(getattr(self.args, "temperature", 1.0)))
+        return original(self, model, inputs, *args, **kwargs)
+
+    return compute_loss
+
+
 def _log(original):
     @functools.wraps(original)
     def log(self, logs, *args, **kwargs):
@@ -236,6 +263,8 @@ def build_patch_set() -> PatchSet:
     patches.wrap(SAVE_MODEL, _save_model)
     patches.wrap(LOAD_CHECKPOINT, _load_from_checkpoint)
     patches.wrap(LOG, _log)
+    for target in COMPUTE_LOSS.values():
+        patches.wrap(target, _compute_loss)
     patches.wrap(EVALUATE, _evaluate)
     return patches
 

@@ -80,6 +80,12 @@ def read_faircast(worker_config: Any) -> Optional[FairCastConfig]:
         config = FairCastConfig.from_value(value, mode=sparse)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"actor_rollout_ref.faircast: {exc}") from None
+    if config.measures_policy:
+        raise ValueError(
+            f"actor_rollout_ref.faircast.policy_metrics_every={config.policy_metrics_every} is not supported under verl "
+            f"yet (the faircast/policy_* metrics run in TRL's GRPOTrainer/RLOOTrainer, one process or DDP). Remove it; "
+            f"actor_rollout_ref.faircast.audit=true logs faircast/lag_steps, the lag in weight space."
+        )
     return config
 
 

@@ -22,7 +22,8 @@ CB_CONFIG = {"num_blocks": 8, "block_size": 32, "max_batch_tokens": 256}  # smal
 extra = dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config=CB_CONFIG) if cb else {}
 args = GRPOConfig(output_dir=out, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                   max_steps=3, logging_steps=1, report_to="none", save_strategy="no", beta=0.0, learning_rate=1e-4,
-                  faircast=True, faircast_seed=21, **extra)
+                  faircast=True, faircast_seed=21, faircast_policy_metrics_every=1, faircast_policy_metrics_seqs=2,
+                  **extra)
 tr = GRPOTrainer(model=d, reward_funcs=cat_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
 model = tr.accelerator.unwrap_model(tr.model)
 generations = []
@@ -46,5 +47,7 @@ torch.save({"served": {n: p.detach().clone() for n, p in model.named_parameters(
             "masters": dict(cb_state.masters),  # (a read-only view: 2 B masters)
             "version": cb_state.caster.version, "world": tr.accelerator.num_processes,
             "generations": generations, "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "buffer_dtypes": sorted({str(b.dtype) for b in model.buffers()})},
+            "buffer_dtypes": sorted({str(b.dtype) for b in model.buffers()}),
+            "policy_logs": [{k: v for k, v in h.items() if k.startswith("faircast/policy")}
+                            for h in tr.state.log_history if "faircast/policy_kl" in h]},
            os.path.join(out, f"rank{rank}.pt"))

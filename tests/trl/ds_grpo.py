@@ -12,7 +12,8 @@ A scenario is ``CONFIG:MODE[:ROLE]``:
   (Fair Cast off: the negative control);
 * ROLE: ``save`` (checkpoint after step 2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``) or
   ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded) or
-  ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``).
+  ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``) or ``policy``
+  (``faircast_policy_metrics_every=1``: the ``faircast/policy_*`` metrics every step, on 2 sequences per rank).
 
 Every scenario trains 4 GRPO steps; all scenarios of one invocation share the process group (importing DeepSpeed
 and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
@@ -260,7 +261,8 @@ def run(scenario: str) -> None:
         save_strategy="steps" if save else "no", save_steps=SAVE_AT,
         faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
         faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
-        faircast_resume_without_state=(role == "fresh"), faircast_audit=REAL, **extra,
+        faircast_resume_without_state=(role == "fresh"), faircast_audit=REAL,
+        faircast_policy_metrics_every=int(role == "policy"), faircast_policy_metrics_seqs=2, **extra,
     )
     from helpers import length_reward
 
@@ -285,6 +287,10 @@ def run(scenario: str) -> None:
         "generations": recorder.generations, "turns": recorder.turns,
         "ema_decay": args.faircast_ema_decay,
         "logs": [h for h in trainer.state.log_history if "loss" in h],
+        # the Recorder's per-step fc.metrics() takes the policy rows before Trainer.log does: read both
+        "policy_logs": [{k: v for k, v in h.items() if k.startswith("faircast/policy")}
+                        for h in [s.get("metrics", {}) for s in recorder.steps] + trainer.state.log_history
+                        if "faircast/policy_kl" in h],
         "is_deepspeed": trainer.is_deepspeed_enabled, "zero_stage": engine.zero_optimization_stage(),
         "world_size": trainer.accelerator.num_processes,
         "offload": bool(engine.zero_cpu_offload()),

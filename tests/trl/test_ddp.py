@@ -36,6 +36,9 @@ def test_ddp_ranks_serve_identical_fair_cast_copies(tmp_path, tiny_model_dir, ge
         want = fair_cast(a["masters"][name], key=derive_key(21, 3, name), mode="stochastic", backend="torch")
         assert torch.equal(q, want.float()), name
     assert any(not torch.equal(m, m.bfloat16().float()) for m in a["masters"].values())
+    # faircast_policy_metrics_every=1, 2 sequences per rank: every log has both ranks' rows, the same on each rank
+    assert len(a["policy_logs"]) == 3 and a["policy_logs"] == b["policy_logs"]
+    assert all(h["faircast/policy_seqs"] == 4 and 0.25 <= h["faircast/policy_ess_frac"] <= 1 for h in a["policy_logs"])
     if generation == "continuous_batching":  # generate_batch ran on the bf16 served copy; the masters stayed fp32
         for r in ranks:
             assert r["generations"] == [(0, 0), (1, 0), (2, 0)], r["generations"]

@@ -60,9 +60,10 @@ TWO_PROCESS = [
     "z3:ema:save", "z3:ema:resume",
     "z2_offload:stochastic", "z3_offload:stochastic",
     "z2:off", "z3_offload:off",
+    "z2:stochastic:policy",
 ]
 # The colocated vLLM engine goes last: it leaves the process group unusable for another DeepSpeed engine.
-ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:ema", "z2_cb:stochastic", "z2_cb:off", "z3_vllm:stochastic"],
+ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:off:policy", "z2:ema", "z2_cb:stochastic", "z2_cb:off", "z3_vllm:stochastic"],
                ["z3:stochastic", "z3:off", "z3_cb:stochastic", "z3_vllm:off"]]
 
 
@@ -380,3 +381,23 @@ def test_vllm_colocate_under_zero3_without_faircast_serves_round_to_nearest(one_
         stochastic_differs += len(_vllm_mismatches(sync, sr)[0])
     assert stochastic_differs > 0
     assert len(run["logs"]) == STEPS and all(h["completions/mean_length"] > 0 for h in run["logs"])
+
+
+def test_policy_metrics_under_zero2(one_process, two_process):
+    """faircast_policy_metrics_every=1 under ZeRO-2: the master view assembles DeepSpeed's fp32 partitions."""
+    off, probed = _load(one_process, "z2-off"), _load(one_process, "z2-off-policy")
+    logs = probed["policy_logs"]
+    assert len(logs) == STEPS and all(h["faircast/policy_seqs"] == 2 for h in logs)
+    # step 0: the masters are the bf16 checkpoint, which DeepSpeed's bf16 copy holds exactly; then they move apart
+    assert logs[0]["faircast/policy_kl"] == 0.0 and logs[0]["faircast/policy_ess_frac"] == 1.0
+    assert all(h["faircast/policy_kl"] > 0 and h["faircast/policy_ess_frac"] < 1 for h in logs[1:])
+    # the probe perturbs nothing: the masters and the served copy of every step equal the run without it
+    assert len(off["steps"]) == len(probed["steps"])
+    for a, b in zip(off["steps"], probed["steps"]):
+        for key in ("masters", "served"):
+            if key in a:
+                assert all(torch.equal(a[key][n], b[key][n]) for n in a[key]), key
+    # two ranks (the all-reduce of each master inside the forward hooks runs in step): both ranks' rows, on each rank
+    ranks = [_load(two_process, "z2-stochastic-policy", r) for r in (0, 1)]
+    assert ranks[0]["policy_logs"] == ranks[1]["policy_logs"] and len(ranks[0]["policy_logs"]) == STEPS
+    assert all(h["faircast/policy_seqs"] == 4 for h in ranks[0]["policy_logs"])

@@ -8,7 +8,7 @@ import pytest
 from tests.step_bench_checks import check_step_bench_smoke
 
 DRIVERS = {
-    "trl": ["trl_plain.py"],
+    "trl": ["trl_plain.py", "--policy-seqs", "2"],  # + the faircast/policy_* probe arms
     "fsdp2": ["fsdp2.py"],
     "zero3": ["deepspeed_zero.py", "--stage", "3"],
 }
@@ -25,3 +25,4 @@ def _needs(module: str):
 ])
 def test_step_bench_smoke(path, tmp_path):
     check_step_bench_smoke(DRIVERS[path], tmp_path, one_process_masters=path == "trl")
+

@@ -8,6 +8,7 @@ import pytest
 
 import faircast_plugins.trl  # noqa: F401  (patches TRL)
 from conftest import cat_reward
+from faircast_plugins.patching import FairCastPatchError
 from faircast_plugins.trl import FairCastUnsupportedError
 from helpers import grpo_args, grpo_trainer, named_params, on_bf16_grid, watch_forwards
 
@@ -37,8 +38,9 @@ def online_dpo(model_dir, dataset, out, **flags):
 @pytest.mark.parametrize("build", [rloo, online_dpo], ids=["rloo", "online_dpo"])
 def test_smoke_fair_cast_and_negative_control(build, tiny_model_dir, prompts_dataset, tmp_path):
     extra = {"model_init_kwargs": {"dtype": "float32"}} if build is online_dpo else {}
+    policy = {} if build is online_dpo else {"faircast_policy_metrics_every": 1}  # Online DPO refuses it (below)
     trainer = build(tiny_model_dir, prompts_dataset, tmp_path / "on", faircast=True, faircast_audit=True,
-                    faircast_seed=3, **extra)
+                    faircast_seed=3, **extra, **policy)
     forwards, handle = watch_forwards(trainer, check_against_masters=True, seed=3)
     trainer.train()
     handle.remove()
@@ -48,6 +50,8 @@ def test_smoke_fair_cast_and_negative_control(build, tiny_model_dir, prompts_dat
     masters = trainer._faircast.masters
     assert not all(on_bf16_grid(m) for m in masters.values()), "the fp32 masters keep sub-bf16 updates"
     assert any("faircast/served_changed_frac" in h for h in trainer.state.log_history)
+    if policy:  # RLOOTrainer's compute_loss scored its batch each step
+        assert sum("faircast/policy_kl" in h for h in trainer.state.log_history) == 3
 
     off = build(tiny_model_dir, prompts_dataset, tmp_path / "off", **extra)
     forwards, handle = watch_forwards(off, check_against_masters=False)
@@ -172,3 +176,9 @@ def test_colocated_engine_must_be_bf16():
         with pytest.raises(FairCastUnsupportedError, match="colocated vLLM engine in torch.float"):
             check_engine_dtype("GRPOTrainer", llm(dtype))
     check_engine_dtype("GRPOTrainer", llm(torch.bfloat16))  # negative control
+
+
+def test_online_dpo_refuses_the_policy_metrics(tiny_model_dir, prompts_dataset, tmp_path):
+    with pytest.raises(FairCastPatchError, match="OnlineDPOTrainer.*faircast_policy_metrics_every=0"):
+        online_dpo(tiny_model_dir, prompts_dataset, tmp_path, faircast_policy_metrics_every=5,
+                   model_init_kwargs={"dtype": "float32"})

@@ -158,6 +158,20 @@ class Backend:
         self.caster.load_state_dict(FairCaster(self.config, version=step).state_dict())  # fresh, at this version
 
     # -- metrics --------------------------------------------------------------------------------------------
+    def check_policy_metrics(self, trainer_name: str) -> None:
+        """At construction with ``faircast_policy_metrics_every``: refuse a backend that has no weight views for it."""
+        raise FairCastPatchError(
+            f"{trainer_name}(faircast_policy_metrics_every=...) is not supported under {type(self).__name__} yet: it "
+            f"scores the batch under the served copy and the fp32 master, which this backend does not hold as separate "
+            f"weights. Use one process or DDP, or set faircast_policy_metrics_every=0 (faircast_audit's "
+            f"faircast/lag_steps measures the lag in weight space on every backend)."
+        )
+
+    def policy_views(self):
+        """``(served, master)``: parameter -> tensor functions (None: the parameter as it is) for
+        :class:`~faircast_plugins.policy_lag.PolicyLagProbe`."""
+        raise NotImplementedError
+
     def metrics(self) -> Dict[str, float]:
         """Summed over ranks (:func:`audit.reduce_metrics`: a collective when distributed; every rank calls
         ``Trainer.log``)."""

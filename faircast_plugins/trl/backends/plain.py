@@ -161,6 +161,19 @@ class ShadowMasters(Backend):
             # index first, then widen: the sample only, not a full fp32 copy of each parameter every step
             self.caster.cast(n, flat.float()) if pos is None else self.caster.cast(n, flat[pos].float(), indices=pos)
 
+    # -- the policy metrics' two views of the weights ---------------------------------------------------------
+    def check_policy_metrics(self, trainer_name: str) -> None:
+        """Both views exist here: the parameters hold one copy, the other is made one parameter at a time."""
+
+    def policy_views(self):
+        """Fair Cast on: the parameters hold the served copy; the master view recovers each master when its module
+        runs (a kept fp32 master is used as it is). Off: the parameters hold the masters; the served view is round to
+        nearest of each, what vLLM's bf16 load of the fp32 export gives."""
+        if self.shadow:
+            names = {id(p): n for n, p in self.everything().items()}
+            return _as_is, lambda p: self._master(names[id(p)]) if id(p) in names else None
+        return _round_to_nearest, _as_is
+
     def before_step(self) -> None:
         if self.shadow:
             with torch.no_grad():
@@ -262,6 +275,15 @@ class ShadowMasters(Backend):
 
     def saved_weights(self) -> str:
         return "fp32 masters" if self.shadow else "fp32 weights (Fair Cast off)"
+
+
+def _as_is(p: torch.nn.Parameter) -> None:
+    return None
+
+
+def _round_to_nearest(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The standard export's served copy of one fp32 parameter (vLLM loads it into bf16: round to nearest even)."""
+    return p.data.to(torch.bfloat16).to(p.dtype) if p.dtype == torch.float32 else None
 
 
 class _Masters(Mapping):

@@ -1,0 +1,282 @@
+"""``faircast/policy_*``: what the served copy's distance from the master costs the batch, in the policy's own terms.
+
+The audit (:mod:`faircast_plugins.audit`) measures the lag in weight space (``faircast/lag_steps``); a user cannot
+read from it what the lag does to their samples. This measures it where it acts: on a few sequences of the current
+batch, the served copy (the bf16 weights the rollout engine sampled them from) and the fp32 master (the policy the
+loss trains) each score the same tokens, and
+
+``faircast/policy_kl``
+    the mean per-token KL(served || master) over the completion tokens, exact over the vocabulary
+    (``sum_v p_s (log p_s - log p_m)`` at the sampling temperature), token-weighted;
+``faircast/policy_ess_frac``
+    the sequence-level effective sample fraction ``(sum w)^2 / (n sum w^2)`` of the importance weights
+    ``w_i = exp(sum_t log p_m(y_t) - log p_s(y_t))`` that correct sampling from the served copy to the master:
+    1 when the two agree on every sampled sequence, 1/n when one sequence carries all the weight. It is a sample
+    estimate over the few sequences measured (at least 1/n, and biased up for small n): read it averaged over steps;
+``faircast/policy_seq_log_ratio_std``
+    the spread (std over the measured sequences) of ``log w_i``: for log-normal weights ESS/n ~ exp(-std^2), which
+    stays meaningful when n is small;
+``faircast/policy_seqs``, ``faircast/policy_tokens``
+    how many sequences and completion tokens the numbers above come from.
+
+Both forwards run in fp32 with autocast off, so the numbers measure the weights' difference only (not the bf16
+kernels' mismatch, which the stacks' own trainer-vs-engine checks see). With Fair Cast off the served copy is
+round to nearest of the master (what the standard export serves): the metric shows what its lag costs the batch;
+with Fair Cast on it shows what the unbiased copy's rounding noise costs.
+
+Pure torch, below the adapters: :func:`sequence_stats` (logits of both copies on the same tokens -> per-sequence
+sums), :func:`summarize` (those rows, gathered from every rank -> the metrics), :func:`weights_swapped` (runs a
+forward on another copy of the weights, swapping each module's own parameters in just before it runs and back
+just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
+served copy of one master, by the export's cast) and :class:`PolicyLagProbe` (when to measure, and the measuring
+itself, given the adapter's two weight views).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .cast import fair_cast
+from .config import FairCastConfig
+
+KL_KEY = "faircast/policy_kl"
+ESS_KEY = "faircast/policy_ess_frac"
+LOG_RATIO_STD_KEY = "faircast/policy_seq_log_ratio_std"
+SEQS_KEY = "faircast/policy_seqs"
+TOKENS_KEY = "faircast/policy_tokens"
+KEYS = (KL_KEY, ESS_KEY, LOG_RATIO_STD_KEY, SEQS_KEY, TOKENS_KEY)
+
+#: sequences of the batch measured by default (per rank): the config's default
+DEFAULT_SEQS = FairCastConfig.policy_metrics_seqs
+#: columns of one sequence's row in :func:`sequence_stats`
+COLUMNS = ("kl_sum", "tokens", "log_ratio")
+#: positions (summed over the sequences) whose float64 log-softmax :func:`sequence_stats` holds at a time
+POSITION_CHUNK = 256
+#: bytes of fp32 logits (both views) one forward of the probe may produce: sequences are scored in chunks under it
+LOGIT_BUDGET = 1 << 30
+
+
+def sequence_stats(served_logits: torch.Tensor, master_logits: torch.Tensor, tokens: torch.Tensor,
+                   mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-sequence sums, float64 ``[B, 3]``: (sum of per-token KL(served || master), tokens counted, sum of per-token
+    ``log p_m(y_t) - log p_s(y_t)``).
+
+    ``served_logits`` and ``master_logits`` are ``[B, T, V]``: position ``t`` scores ``tokens[:, t]`` (already shifted:
+    the logits that predict the completion tokens); ``mask`` ``[B, T]`` selects the tokens that count. Logits are
+    divided by ``temperature`` (the policy the engine sampled from)."""
+    if served_logits.shape != master_logits.shape or served_logits.shape[:2] != tokens.shape:
+        raise ValueError(f"logits {tuple(served_logits.shape)} / {tuple(master_logits.shape)} do not match tokens "
+                         f"{tuple(tokens.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    out = torch.zeros(tokens.shape[0], len(COLUMNS), dtype=torch.float64, device=tokens.device)
+    step = max(1, POSITION_CHUNK // max(1, tokens.shape[0]))
+    for t in range(0, tokens.shape[1], step):  # float64 temporaries of a bounded number of positions at a time
+        log_s = torch.log_softmax(served_logits[:, t:t + step].double() / temperature, dim=-1)
+        log_m = torch.log_softmax(master_logits[:, t:t + step].double() / temperature, dim=-1)
+        kl = (log_s.exp() * (log_s - log_m)).sum(-1)  # [B, chunk], exact over the vocabulary
+        idx = tokens[:, t:t + step].long().unsqueeze(-1)
+        ratio = (log_m.gather(-1, idx) - log_s.gather(-1, idx)).squeeze(-1)
+        m = mask[:, t:t + step].to(torch.float64)
+        out += torch.stack([(kl * m).sum(1), m.sum(1), (ratio * m).sum(1)], dim=1)
+    return out
+
+
+def summarize(stats: torch.Tensor) -> Dict[str, float]:
+    """The metrics from :func:`sequence_stats` rows (every rank's, gathered); empty without a counted token."""
+    stats = stats.detach().double().cpu().reshape(-1, len(COLUMNS))
+    stats = stats[stats[:, 1] > 0]  # sequences with no counted token say nothing
+    if stats.shape[0] == 0:
+        return {}
+    tokens = float(stats[:, 1].sum())
+    log_w = stats[:, 2]
+    w = torch.exp(log_w - log_w.max())  # the shift cancels in the ratio
+    n = log_w.numel()
+    ess = float(w.sum() ** 2 / (n * (w * w).sum()))
+    std = float(log_w.std(unbiased=False)) if n > 1 else 0.0
+    return {KL_KEY: float(stats[:, 0].sum()) / tokens, ESS_KEY: ess, LOG_RATIO_STD_KEY: std,
+            SEQS_KEY: float(n), TOKENS_KEY: tokens}
+
+
+@contextmanager
+def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter], Optional[torch.Tensor]]):
+    """Forwards of ``model`` inside run on ``view(p)`` instead of each parameter ``p`` (None: ``p`` itself).
+
+    Each module's own parameters are swapped in by a forward pre-hook and back by a forward hook, so at most one
+    module's other copy is alive at a time (the view is computed on the fly, e.g. a recovery or a cast of one
+    weight). A parameter used outside its module's forward would be read unswapped: this serves modules that use
+    their own weights (every ``nn.Linear``, ``nn.Embedding``, norm; a tied ``lm_head`` swaps its shared weight in its
+    own forward)."""
+    saved: Dict[int, List] = {}
+
+    def pre(module, args):
+        swapped = []
+        for p in module.parameters(recurse=False):
+            other = view(p)
+            if other is not None:
+                swapped.append((p, p.data))
+                p.data = other
+        saved.setdefault(id(module), []).append(swapped)
+
+    def post(module, args, output):
+        for p, data in saved[id(module)].pop():
+            p.data = data
+
+    handles = []
+    try:
+        for module in model.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for stack in saved.values():  # a forward that raised: put back what it left swapped
+            for swapped in reversed(stack):
+                for p, data in swapped:
+                    p.data = data
+
+
+def served_weight(master: torch.Tensor, *, enabled: bool, mode: str, key: int, backend: str = "auto") -> torch.Tensor:
+    """The served copy of one fp32 master, as the export casts it, widened to fp32 (exact): round to nearest with Fair
+    Cast off (what the standard export serves), ``fair_cast(master, key, mode)`` with it on. Modes whose served copy
+    depends on state (``error_feedback``, EMA) have no such function of the master: their adapter reads the copy it
+    holds."""
+    if not enabled or mode == "nearest":
+        return master.to(torch.bfloat16).float()
+    if mode not in ("stochastic", "sticky"):
+        raise ValueError(f"the served copy under mode={mode} depends on per-element state, not on the master alone")
+    return fair_cast(master, key=key, mode=mode, backend=backend).float()
+
+
+@contextmanager
+def plain_forward(model: torch.nn.Module):
+    """Inside, ``model(...)`` runs the class's own forward: a mixed-precision wrapper that accelerate (and DeepSpeed,
+    FSDP's accelerate path) sets as an instance attribute ``forward`` enters bf16 autocast inside, which would round
+    the master's weights again in every matmul. Hooks still run (``nn.Module.__call__``)."""
+    wrapped = model.__dict__.pop("forward", None)
+    try:
+        yield
+    finally:
+        if wrapped is not None:
+            model.forward = wrapped
+
+
+def _completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       completion: int) -> torch.Tensor:
+    """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids``."""
+    with plain_forward(model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[:, -completion - 1:-1].float()
+
+
+class PolicyLagProbe:
+    """Measures ``faircast/policy_*`` every ``every`` optimizer steps on the first ``seqs`` sequences of a batch.
+
+    The adapter gives the two weight views of its model as parameter -> tensor functions (None: the parameter as it
+    is): ``served`` (what the rollout engine holds) and ``master`` (what the optimizer trains). A measurement is two
+    no-grad fp32 forwards over the ``seqs`` sequences, one per view, in as few chunks as :data:`LOGIT_BUDGET` allows
+    (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes: one sequence per chunk at 1,000 tokens x 152k vocabulary,
+    1.2 GB), plus one module's other weights at a time and float64 scratch for :data:`POSITION_CHUNK` positions."""
+
+    def __init__(self, every: int, seqs: int = DEFAULT_SEQS):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"policy metrics every must be a positive int (steps), got {every!r}")
+        if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+            raise ValueError(f"policy metrics seqs must be a positive int, got {seqs!r}")
+        self.every, self.seqs = every, seqs
+        self.pending: Optional[torch.Tensor] = None  # rows measured since the last log
+        self.measured_step: Optional[int] = None
+
+    def due(self, step: int) -> bool:
+        """True once per optimizer step ``step`` (the steps taken so far) that is a multiple of ``every``."""
+        return step % self.every == 0 and self.measured_step != step
+
+    @torch.no_grad()
+    def measure(self, model: torch.nn.Module, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
+                served: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
+                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0) -> None:
+        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`."""
+        self.measured_step = step
+        rows = []
+        device_type = completion_ids.device.type
+        count, length = min(self.seqs, completion_ids.shape[0]), completion_ids.shape[1]
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        chunk = count if not vocab else max(1, min(count, LOGIT_BUDGET // (8 * length * int(vocab))))
+        was_training = model.training
+        model.eval()  # no dropout: both views score the same function of the weights
+        try:
+            with torch.autocast(device_type=device_type, enabled=False):
+                for i in range(0, count, chunk):  # as many sequences per forward as the logit budget allows
+                    j = min(count, i + chunk)
+                    ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
+                    att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
+                    with weights_swapped(model, served):
+                        s = _completion_logits(model, ids, att, length)
+                    with weights_swapped(model, master):
+                        m = _completion_logits(model, ids, att, length)
+                    rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
+                    del s, m
+        finally:
+            model.train(was_training)
+        new = torch.cat(rows).cpu() if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
+        self.pending = new if self.pending is None else torch.cat([self.pending, new])
+
+    def take(self) -> torch.Tensor:
+        """This rank's rows since the last call (``[n, 3]`` float64 on the CPU; empty when nothing was measured)."""
+        rows = self.pending if self.pending is not None else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
+        self.pending = None
+        return rows
+
+
+def refuse_policy_metrics(caster, where: str) -> None:
+    """Refuse ``policy_metrics_every`` where no adapter measures it (it would be silently absent): a cast-site patch
+    given a caster whose adapter did not set ``caster.policy_measured``."""
+    config = caster.config
+    if getattr(config, "measures_policy", False) and not getattr(caster, "policy_measured", False):
+        from .patching import FairCastPatchError
+
+        raise FairCastPatchError(
+            f"faircast policy_metrics_every={config.policy_metrics_every} is not supported by {where} yet: the "
+            f"faircast/policy_* metrics are measured by TRL's GRPOTrainer and RLOOTrainer in one process, DDP or "
+            f"DeepSpeed ZeRO-0/1/2 (faircast_policy_metrics_every). Remove the option here; faircast audit's faircast/lag_steps measures "
+            f"the lag in weight space on every stack."
+        )
+
+
+def gather_rows(rows: torch.Tensor, device=None) -> torch.Tensor:
+    """Every rank's rows (a collective when torch.distributed is initialised: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rows
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+    count = torch.tensor([rows.shape[0]], device=dev)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    most = int(max(int(c) for c in counts))
+    padded = torch.zeros(most, len(COLUMNS), dtype=torch.float64, device=dev)
+    padded[: rows.shape[0]] = rows.to(dev)
+    out = [torch.zeros_like(padded) for _ in counts]
+    dist.all_gather(out, padded)
+    return torch.cat([o[: int(c)] for o, c in zip(out, counts)]).cpu()
+
+
+def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
+    """:func:`summarize`, NaN-safe: a non-finite row (a NaN logit) is dropped and counted in the log."""
+    finite = torch.isfinite(rows).all(dim=1) if rows.numel() else torch.ones(0, dtype=torch.bool)
+    out = summarize(rows[finite])
+    dropped = int((~finite).sum())
+    if dropped:
+        out["faircast/policy_nonfinite_seqs"] = float(dropped)
+    return out
+
+
+__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
+           "summarize", "weights_swapped"]

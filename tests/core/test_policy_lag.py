@@ -1,0 +1,235 @@
+"""faircast/policy_*: per-token KL and sequence ESS/n between the served copy and the master (policy_lag.py)."""
+import math
+
+import pytest
+import torch
+
+from faircast_plugins.config import FairCastConfig
+from faircast_plugins.policy_lag import (
+    ESS_KEY, KL_KEY, LOG_RATIO_STD_KEY, SEQS_KEY, TOKENS_KEY, PolicyLagProbe, metrics_of, sequence_stats,
+    served_weight, summarize, weights_swapped,
+)
+
+VOCAB, HIDDEN = 11, 8
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> tanh(Linear) -> head tied to the embedding: logits from the module's own weights only."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": VOCAB})()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.mix = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in SmolLM2
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 2)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        h = torch.tanh(self.mix(self.embed(input_ids)))
+        return type("Out", (), {"logits": self.head(h)})()
+
+
+def _bf16(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def _batch(seqs=4, prompt=3, completion=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(0, VOCAB, (seqs, prompt), generator=g)
+    completion_ids = torch.randint(0, VOCAB, (seqs, completion), generator=g)
+    completion_mask = torch.ones(seqs, completion, dtype=torch.long)
+    completion_mask[1, 3:] = 0  # a shorter sequence: its padding does not count
+    return prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask
+
+
+def _hand(served_model, master_model, prompt_ids, completion_ids, completion_mask, temperature):
+    """The metrics, one token at a time in Python floats (math.exp/log), from each model's logits."""
+    kl_sum, tokens, log_w = 0.0, 0, []
+    for i in range(prompt_ids.shape[0]):
+        ids = torch.cat([prompt_ids[i], completion_ids[i]])[None]
+        ls = served_model(ids).logits[0].double().tolist()
+        lm = master_model(ids).logits[0].double().tolist()
+        s_i = 0.0
+        for t in range(completion_ids.shape[1]):
+            if not completion_mask[i, t]:
+                continue
+            pos = prompt_ids.shape[1] + t - 1  # the logits that predict completion token t
+            zs = [x / temperature for x in ls[pos]]
+            zm = [x / temperature for x in lm[pos]]
+            ns = math.log(sum(math.exp(z) for z in zs))
+            nm = math.log(sum(math.exp(z) for z in zm))
+            ps = [math.exp(z - ns) for z in zs]
+            kl_sum += sum(p * ((a - ns) - (b - nm)) for p, a, b in zip(ps, zs, zm))
+            y = int(completion_ids[i, t])
+            s_i += (zm[y] - nm) - (zs[y] - ns)
+            tokens += 1
+        log_w.append(s_i)
+    w = [math.exp(x) for x in log_w]
+    mean = sum(log_w) / len(log_w)
+    return {KL_KEY: kl_sum / tokens, ESS_KEY: sum(w) ** 2 / (len(w) * sum(x * x for x in w)),
+            LOG_RATIO_STD_KEY: math.sqrt(sum((x - mean) ** 2 for x in log_w) / len(log_w)),
+            SEQS_KEY: float(len(w)), TOKENS_KEY: float(tokens)}
+
+
+def _probe(model, served, master, batch, temperature=1.0, seqs=4):
+    probe = PolicyLagProbe(every=1, seqs=seqs)
+    probe.measure(model, 0, *batch, served=served, master=master, temperature=temperature)
+    return metrics_of(probe.take())
+
+
+def test_metrics_equal_a_hand_computation_on_a_tiny_model():
+    master_model, served_model = TinyLM(0), TinyLM(0)
+    with torch.no_grad():  # a served copy that differs visibly: the master moved by some noise
+        for p in master_model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    batch = _batch()
+    want = _hand(served_model, master_model, batch[0], batch[2], batch[3], temperature=0.7)
+    # the probe runs on one model: its parameters hold the master; the served view swaps in served_model's tensors
+    served_of = {id(p): q.detach() for p, q in zip(master_model.parameters(), served_model.parameters())}
+    got = _probe(master_model, lambda p: served_of[id(p)], lambda p: None, batch, temperature=0.7)
+    assert set(got) == set(want)
+    for k in want:  # the probe scores the sequences in one batched fp32 forward, the hand one at a time: the GEMMs'
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-12), k  # summation order differs in the last bits
+    assert got[KL_KEY] > 0 and 0.25 <= got[ESS_KEY] < 1
+    # the master's parameters are back after the probe (the swap is undone)
+    for p, q in zip(master_model.parameters(), TinyLM(0).parameters()):
+        assert not torch.equal(p, q)
+
+
+def test_kl_zero_and_ess_one_when_the_served_copy_is_the_masters_bf16_view():
+    model = _bf16(TinyLM(0))  # masters on the bf16 grid: round to nearest serves them exactly
+    rtn = lambda p: served_weight(p.data, enabled=False, mode="stochastic", key=0)  # noqa: E731
+    got = _probe(model, rtn, lambda p: None, _batch())
+    assert got[KL_KEY] == 0.0 and got[ESS_KEY] == 1.0 and got[LOG_RATIO_STD_KEY] == 0.0
+
+
+def test_flag_off_sub_half_ulp_updates_cost_kl_and_ess():
+    """The standard export's lag: the master takes updates below half a bf16 step for several steps; round to nearest
+    serves none of them, so the served policy differs from the master's (KL > 0, ESS/n < 1)."""
+    model = _bf16(TinyLM(0))
+    rtn = lambda p: served_weight(p.data, enabled=False, mode="nearest", key=0)  # noqa: E731
+    g = torch.Generator().manual_seed(5)
+    directions = [torch.sign(torch.randn(p.shape, generator=g)) for p in model.parameters()]
+    seen = []
+    for step in range(4):
+        with torch.no_grad():
+            for p, d in zip(model.parameters(), directions):
+                ulp = (p.abs().clamp(min=1e-3).log2().floor() - 7).exp2()  # one bf16 step at p
+                p.add_(0.12 * ulp * d)  # 0.12 ulp per step: 0.48 after 4, never a rounding boundary
+        served_changed = any(not torch.equal(rtn(p), q) for p, q in zip(model.parameters(), _bf16(TinyLM(0)).parameters()))
+        assert not served_changed  # the served copy never moved
+        seen.append(_probe(model, rtn, lambda p: None, _batch()))
+    assert all(m[KL_KEY] > 0 and m[ESS_KEY] < 1 for m in seen)
+    assert seen[-1][KL_KEY] > seen[0][KL_KEY]  # the lag grows, and with it the KL
+
+
+def test_fair_cast_view_matches_the_export_cast():
+    from faircast_plugins import fair_cast
+
+    x = torch.randn(1000) * 3
+    for mode in ("stochastic", "sticky"):
+        want = fair_cast(x, key=77, mode=mode, backend="torch").float()
+        assert torch.equal(served_weight(x, enabled=True, mode=mode, key=77, backend="torch"), want)
+    assert torch.equal(served_weight(x, enabled=True, mode="nearest", key=1), x.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="per-element state"):
+        served_weight(x, enabled=True, mode="error_feedback", key=1)
+
+
+def test_weights_swapped_keeps_one_module_swapped_at_a_time_and_restores():
+    model = TinyLM(0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    live, most = set(), [0]
+
+    def view(p):
+        live.add(id(p))
+        most[0] = max(most[0], len(live))
+        return torch.zeros_like(p)
+
+    def release(module, args, out):
+        live.clear()
+
+    handles = [m.register_forward_hook(release) for m in model.modules() if list(m.parameters(recurse=False))]
+    with weights_swapped(model, view):
+        out = model(torch.tensor([[1, 2, 3]])).logits
+    for h in handles:
+        h.remove()
+    assert torch.count_nonzero(out) == 0  # every module ran on the view (the tied head included)
+    assert most[0] <= 2  # one module's parameters (mix: weight + bias) at a time
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    with pytest.raises((RuntimeError, IndexError)):  # a forward that raises leaves nothing swapped
+        with weights_swapped(model, lambda p: torch.zeros_like(p)):
+            model(torch.tensor([[VOCAB + 5]]))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+
+
+def test_summarize_and_stats_edge_cases():
+    assert summarize(torch.zeros(0, 3)) == {}
+    assert summarize(torch.tensor([[0.0, 0.0, 0.0]])) == {}  # no counted token
+    one = summarize(torch.tensor([[0.2, 4.0, -1.0]]))
+    assert one[ESS_KEY] == 1.0 and one[KL_KEY] == pytest.approx(0.05) and one[LOG_RATIO_STD_KEY] == 0.0
+    lopsided = summarize(torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, -800.0]]))  # no overflow: weights shifted
+    assert lopsided[ESS_KEY] == pytest.approx(0.5)
+    rows = torch.tensor([[0.1, 2.0, 0.0], [float("nan"), 2.0, 0.0]])
+    m = metrics_of(rows)
+    assert m["faircast/policy_nonfinite_seqs"] == 1.0 and m[SEQS_KEY] == 1.0
+    with pytest.raises(ValueError, match="do not match"):
+        sequence_stats(torch.zeros(1, 2, 3), torch.zeros(1, 2, 4), torch.zeros(1, 2), torch.ones(1, 2))
+
+
+def test_probe_is_due_once_per_multiple_of_every():
+    probe = PolicyLagProbe(every=10, seqs=2)
+    assert probe.due(0) and not probe.due(3) and probe.due(10)
+    probe.measured_step = 10
+    assert not probe.due(10)  # a second micro-batch of the same step
+    with pytest.raises(ValueError):
+        PolicyLagProbe(every=0)
+
+
+def test_config_options():
+    cfg = FairCastConfig.from_value({"enable": False, "policy_metrics_every": "10"})
+    assert cfg.policy_metrics_every == 10 and cfg.policy_metrics_seqs == 2 and cfg.measures_policy and cfg.active
+    assert not FairCastConfig().measures_policy and not FairCastConfig().active
+    for bad in (-1, True, "x", 1.5):
+        with pytest.raises(ValueError, match="policy_metrics_every"):
+            FairCastConfig(policy_metrics_every=bad)
+    with pytest.raises(ValueError, match="policy_metrics_seqs"):
+        FairCastConfig(policy_metrics_seqs=0)
+    assert "policy metrics every 10 steps" in cfg.describe()
+
+
+def test_stacks_without_the_metric_refuse_it_at_activation():
+    from faircast_plugins.caster import FairCaster
+    from faircast_plugins.deepspeed.patch import apply_deepspeed_patch
+    from faircast_plugins.fsdp import register_fsdp_module
+    from faircast_plugins.patching import FairCastPatchError
+    from faircast_plugins.verl.config import read_faircast
+
+    caster = FairCaster(FairCastConfig(policy_metrics_every=10))  # no adapter set caster.policy_measured
+    with pytest.raises(FairCastPatchError, match="apply_deepspeed_patch.*Remove the option"):
+        apply_deepspeed_patch(object(), caster)
+    with pytest.raises(FairCastPatchError, match="register_fsdp_module"):
+        register_fsdp_module(torch.nn.Linear(2, 2), caster)
+    with pytest.raises(ValueError, match="policy_metrics_every=10 is not supported under verl"):
+        read_faircast({"faircast": {"enable": True, "policy_metrics_every": 10}})
+    assert read_faircast({"faircast": {"enable": True}}).policy_metrics_every == 0
+
+
+def test_chunks_under_the_logit_budget_give_the_same_metrics(monkeypatch):
+    import faircast_plugins.policy_lag as pl
+
+    master_model, served_model = TinyLM(0), TinyLM(1)
+    served_of = {id(p): q.detach() for p, q in zip(master_model.parameters(), served_model.parameters())}
+    whole = _probe(master_model, lambda p: served_of[id(p)], lambda p: None, _batch())
+    monkeypatch.setattr(pl, "LOGIT_BUDGET", 1)  # one sequence per forward
+    monkeypatch.setattr(pl, "POSITION_CHUNK", 3)  # and a few positions of float64 scratch at a time
+    chunked = _probe(master_model, lambda p: served_of[id(p)], lambda p: None, _batch())
+    assert chunked == pytest.approx(whole, rel=1e-6)

@@ -1,0 +1,101 @@
+"""faircast_policy_metrics_every on a real GRPOTrainer (one process): faircast/policy_* in TRL's logs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import faircast_plugins.trl  # noqa: F401  (patches TRL)
+from faircast_plugins.patching import FairCastPatchError
+from faircast_plugins.policy_lag import ESS_KEY, KL_KEY, SEQS_KEY, TOKENS_KEY, sequence_stats, summarize
+from helpers import grpo_args, grpo_trainer, named_params
+
+# Updates far below half a bf16 step (plain SGD at 1e-5 on the tiny model): the standard export's lag piles up.
+SMALL = dict(learning_rate=1e-5, optim="sgd", gradient_accumulation_steps=1, max_steps=5)
+
+
+def _policy_logs(trainer):
+    return [h for h in trainer.state.log_history if KL_KEY in h]
+
+
+def test_flag_off_logs_the_round_to_nearest_lag_and_changes_nothing(tiny_model_dir, prompts_dataset, tmp_path):
+    runs = {}
+    for name, flags in {"plain": {}, "probe": {"faircast_policy_metrics_every": 2,
+                                              "faircast_policy_metrics_seqs": 3}}.items():
+        trainer = grpo_trainer(tiny_model_dir, prompts_dataset, grpo_args(tmp_path / name, **SMALL, **flags))
+        trainer.train()
+        runs[name] = trainer
+    logs = _policy_logs(runs["probe"])
+    assert [h["step"] for h in logs] == [1, 3, 5]  # measured before steps 0, 2, 4; logged with the next log
+    assert all(h[SEQS_KEY] == 3 and h[TOKENS_KEY] > 0 for h in logs)
+    # step 0: the fp32 masters are the bf16 checkpoint, so round to nearest serves them exactly
+    assert logs[0][KL_KEY] == 0.0 and logs[0][ESS_KEY] == 1.0
+    # later: sub-half-ulp updates the served copy does not see
+    assert all(h[KL_KEY] > 0 and h[ESS_KEY] < 1 for h in logs[1:])
+    assert not _policy_logs(runs["plain"])
+    # the probe perturbs nothing: the same weights, bit for bit, as the run without it
+    plain, probed = named_params(runs["plain"]), named_params(runs["probe"])
+    assert all(torch.equal(plain[n], probed[n]) for n in plain)
+
+
+def test_fair_cast_on_measures_its_noise_against_the_masters(tiny_model_dir, prompts_dataset, tmp_path):
+    args = grpo_args(tmp_path / "on", **SMALL, faircast=True, faircast_policy_metrics_every=1,
+                     faircast_policy_metrics_seqs=2)
+    trainer = grpo_trainer(tiny_model_dir, prompts_dataset, args)
+    trainer.train()
+    logs = _policy_logs(trainer)
+    assert len(logs) == 5 and all(h[SEQS_KEY] == 2 for h in logs)
+    # the served copy's rounding noise (the tiny random model's outputs are nearly uniform: some steps' logits do not
+    # move at all, an independent forward of both copies agrees, so not every step shows it)
+    assert logs[0][KL_KEY] == 0.0 and sum(h[KL_KEY] > 0 for h in logs[1:]) >= 2
+    assert all(0.5 <= h[ESS_KEY] <= 1 for h in logs)
+
+    # The probe's numbers equal an independent computation: a model holding the masters, one holding the served copy.
+    # Fresh models from the checkpoint (no accelerate wrapper: a plain fp32 forward), loaded with each copy.
+    from transformers import AutoModelForCausalLM
+
+    callback = trainer._faircast
+    served_model, master_model = (AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+                                  for _ in range(2))
+    with torch.no_grad():
+        for n, p in named_params(trainer).items():
+            dict(served_model.named_parameters())[n].copy_(p)  # the parameters hold the served copy
+            dict(master_model.named_parameters())[n].copy_(callback.masters[n])
+    g = torch.Generator().manual_seed(0)
+    batch = {"prompt_ids": torch.randint(0, 50, (2, 3), generator=g), "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+             "completion_ids": torch.randint(0, 50, (2, 6), generator=g),
+             "completion_mask": torch.ones(2, 6, dtype=torch.long)}
+    callback.policy.measured_step = None
+    callback.measure_policy(batch, 0, temperature=0.9)
+    got = summarize(callback.policy.take())
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    with torch.no_grad():
+        s = served_model(input_ids=ids).logits[:, 2:-1].float()
+        m = master_model(input_ids=ids).logits[:, 2:-1].float()
+    want = summarize(sequence_stats(s, m, batch["completion_ids"], batch["completion_mask"], 0.9))
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert got[KL_KEY] > 0  # (on this batch the two copies' logits differ)
+
+
+def test_backends_without_two_views_refuse_at_construction():
+    from faircast_plugins.trl.backends import Backend
+
+    with pytest.raises(FairCastPatchError, match="faircast_policy_metrics_every=0"):
+        Backend.__new__(Backend).check_policy_metrics("GRPOTrainer")
+
+
+def test_deepspeed_zero3_refuses_and_zero2_marks_the_caster():
+    from types import SimpleNamespace
+
+    from faircast_plugins import FairCastConfig, FairCaster
+    from faircast_plugins.trl.backends.deepspeed import DeepSpeedBackend
+
+    def backend(stage):
+        state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(state=state))
+        return DeepSpeedBackend(trainer, FairCaster(FairCastConfig(policy_metrics_every=3)))
+
+    with pytest.raises(FairCastPatchError, match="ZeRO-3.*faircast_policy_metrics_every=0"):
+        backend(3).check_policy_metrics("GRPOTrainer")
+    ok = backend(2)
+    ok.check_policy_metrics("GRPOTrainer")
+    assert ok.caster.policy_measured  # apply_deepspeed_patch accepts the option from this adapter

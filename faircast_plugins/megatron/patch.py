@@ -36,6 +36,7 @@ from ..cast import RunTable, fair_cast_runs
 from ..caster import FairCaster, audit_track
 from ..export import save_state
 from ..patching import FairCastPatchError, PatchSet, installed_version
+from ..policy_lag import refuse_policy_metrics
 from .hf_map import (ConverterError, HFGroup, VOCAB_PARAMS, build_element_map, converter_lookup, hf_vocab_size_of,
                      range_runs)
 from .layout import LayoutError, ParamKey, _unwrap, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys
@@ -380,6 +381,7 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     """
     if not caster.config.active:
         return None
+    refuse_policy_metrics(caster, "Megatron-core's patch (apply_megatron_patch; verl's Megatron engine, slime, NeMo-RL)")
     install_megatron_patch()
     subs = _sub_optimizers(optimizer)
     check_optimizer(optimizer)

@@ -65,3 +65,15 @@ def test_per_layer_quantization_is_refused_at_attach(option, value):
 
     refusals = list(refused_model_options([SimpleNamespace(config=SimpleNamespace(**{option: value}))]))
     assert len(refusals) == 1 and option in refusals[0], refusals
+
+
+def test_policy_metrics_are_refused_by_the_megatron_patch():
+    """No Megatron adapter measures faircast/policy_*: asking for them must raise at attach, not log nothing."""
+    from faircast_plugins.caster import FairCaster
+    from faircast_plugins.config import FairCastConfig
+    from faircast_plugins.megatron import apply_megatron_patch
+    from faircast_plugins.patching import FairCastPatchError
+
+    for config in (FairCastConfig(enabled=True, policy_metrics_every=10), FairCastConfig(policy_metrics_every=10)):
+        with pytest.raises(FairCastPatchError, match="policy_metrics_every=10 is not supported by Megatron-core"):
+            apply_megatron_patch(object(), FairCaster(config), model_chunks=[object()])

@@ -124,9 +124,8 @@ def test_converter_lookup_takes_an_autobridge_a_model_bridge_or_a_registry():
 AUTOBRIDGE = """
 import sys
 sys.path.insert(0, {root!r})
-import megatron.core.optimizer
 from tests.megatron import bridge_stubs
-bridge_stubs.install()
+bridge_stubs.import_bridge()
 from transformers import LlamaConfig
 from megatron.bridge import AutoBridge
 from faircast_plugins.megatron.hf_map import converter_lookup, hf_vocab_size_of

@@ -1,9 +1,12 @@
-"""Stand-ins that let megatron-core 0.16.1 train on CPU over gloo (test-only; see /work/shared/notes/megatron.md §9).
+"""Stand-ins that let megatron-core 0.16.1, 0.18.2 and 0.19.2 train on CPU over gloo (test-only; see
+/work/shared/notes/megatron.md §9 and verl-megatron-cpu.md).
 
 Each replaces one CUDA-only call megatron-core makes on the way; nothing here touches Fair Cast. Install them with
 :func:`install` before building a model.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -46,6 +49,33 @@ def _type(self, dtype=None, non_blocking=False, **kwargs):
     return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+class OneStream:
+    """Every CUDA stream is the CPU's one stream: megatron-core 0.19's gradient sync orders its reduce on
+    ``torch.cuda.current_stream()`` (``param_and_grad_buffer.py`` start_grad_sync), megatron.training's ``_ddp_wrap``
+    (through megatron-bridge) builds DDP on a side stream."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 _mode = None
 _saved: list = []  # (owner, attr, value before install) for uninstall
 
@@ -69,6 +99,9 @@ def install() -> None:
     _set(torch.cuda, "manual_seed_all", lambda *a, **k: None)  # aliasing torch.manual_seed would recurse
     _set(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
     _set(torch.Tensor, "type", _type)
+    _set(torch.cuda, "Stream", OneStream)
+    _set(torch.cuda, "current_stream", lambda *a, **k: OneStream())
+    _set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     from megatron.core.tensor_parallel import random as mrandom
 
     _set(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))  # the RNG tracker on the CPU

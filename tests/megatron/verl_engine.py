@@ -1,9 +1,9 @@
 """verl 0.9.1's own MegatronEngine, end to end, with Fair Cast attached as the verl worker attaches it (CPU, gloo).
 
-    torchrun --nproc-per-node N tests/megatron/verl_engine.py OUT_JSON MODEL_DIR SCENARIO [SCENARIO ...]
+    torchrun --nproc-per-node N tests/megatron/verl_engine.py OUT_JSON MODELS_DIR SCENARIO [SCENARIO ...]
 
 Each scenario builds the engine through verl's ``EngineRegistry`` and ``initialize()`` (megatron-bridge's
-``AutoBridge`` loads the HF checkpoint in MODEL_DIR), attaches Fair Cast with ``faircast_plugins.verl.megatron.activate``
+``AutoBridge`` loads an HF checkpoint of tests/megatron/verl_model.py from MODELS_DIR: ``llama``, or ``qwen3moe``), attaches Fair Cast with ``faircast_plugins.verl.megatron.activate``
 (what the worker's ``init_model`` does after ``initialize``), takes train steps through verl's ``train_batch``, and
 exports the weights with verl's own ``get_per_tensor_param()`` (what the rollout receives). The reference is built
 independently of Fair Cast: the fp32 masters of the optimizer (gathered over DP) exported to HF tensors by the same
@@ -48,12 +48,13 @@ SCENARIOS = {
 }
 
 
-def build_engine(model_dir, opts, ckpt_dir=None):
+def build_engine(models_dir, opts):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine.base import EngineRegistry
 
     mpu.destroy_model_parallel()  # each scenario its own layout (verl initialises it unless already initialised)
+    model_dir = os.path.join(models_dir, "qwen3moe" if opts.get("moe") else "llama")
     model_config = HFModelConfig(path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "eager"})
     engine_config = McoreEngineConfig(
         tensor_model_parallel_size=opts.get("tp", 1), pipeline_model_parallel_size=opts.get("pp", 1),
@@ -148,10 +149,10 @@ def compare(engine, served, version, faircast):
             "mismatches": mismatches, "differs_from_rtn": differs_from_rtn}
 
 
-def run(name, model_dir):
+def run(name, models_dir):
     opts = SCENARIOS[name]
     faircast = opts.get("faircast", True)
-    engine = build_engine(model_dir, opts)
+    engine = build_engine(models_dir, opts)
     fc = verl_megatron.activate(engine, FairCastConfig(enabled=True, seed=SEED)) if faircast else None
     out = {"coords": {"tp": mpu.get_tensor_model_parallel_rank(), "pp": mpu.get_pipeline_model_parallel_rank(),
                       "dp": mpu.get_data_parallel_rank()}, "bridge": type(engine.bridge).__name__}
@@ -160,7 +161,7 @@ def run(name, model_dir):
     version = fc.caster.version if fc else None
     out.update(version=version, **compare(engine, served, 1, faircast))
     if opts.get("resume"):
-        out["resume"] = resume(engine, fc, model_dir, opts)
+        out["resume"] = resume(engine, fc, models_dir, opts)
     if fc is not None:
         verl_megatron.PATCHES.remove()
         from faircast_plugins.megatron import remove_megatron_patch
@@ -169,7 +170,7 @@ def run(name, model_dir):
     return out
 
 
-def resume(engine, fc, model_dir, opts):
+def resume(engine, fc, models_dir, opts):
     """Save through verl's checkpoint manager after step 1, take step 2; a fresh engine loads the checkpoint and
     takes step 2 again: verl's exports must be identical, bit for bit (weight version 2 both times)."""
     ckpt = os.path.join(tempfile.gettempdir(), f"faircast_verl_ckpt_{os.environ.get('MASTER_PORT', '0')}")
@@ -184,7 +185,7 @@ def resume(engine, fc, model_dir, opts):
     from faircast_plugins.megatron import remove_megatron_patch
 
     remove_megatron_patch(engine.optimizer)
-    again = build_engine(model_dir, opts)
+    again = build_engine(models_dir, opts)
     fc2 = verl_megatron.activate(again, FairCastConfig(enabled=True, seed=SEED))
     again.load_checkpoint(ckpt)
     loaded_version = fc2.caster.version
@@ -197,12 +198,12 @@ def resume(engine, fc, model_dir, opts):
 
 
 def main():
-    out_path, model_dir, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out_path, models_dir, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("FAIRCAST_TEST_TIMEOUT", "180"))))
     results = {}
     for name in names:
         try:
-            res = run(name, model_dir)
+            res = run(name, models_dir)
         except Exception:  # noqa: BLE001 - reported to the test
             res = {"error": traceback.format_exc()}
         gathered = [None] * dist.get_world_size()

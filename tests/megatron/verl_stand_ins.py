@@ -2,13 +2,11 @@
 gloo (test-only; the facts are in /work/shared/notes/verl-megatron-cpu.md). They change no installed file.
 
 :func:`install` must run before verl's engine module is imported: 3.12 names, verl's CPU platform
-(tests/verl/shims/cpu_platform.py), megatron-core's CUDA calls (cpu_shims.py), CUDA streams, megatron-bridge imported
+(tests/verl/shims/cpu_platform.py), megatron-core's CUDA calls and streams (cpu_shims.py), megatron-bridge imported
 behind a TransformerEngine stub that is gone afterwards (bridge_stubs.py), and the local attention given the masks
 verl's inputs carry. :data:`TRANSFORMER_OVERRIDES` goes into the engine config's ``override_transformer_config``.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -23,37 +21,6 @@ TRANSFORMER_OVERRIDES = {
     "persist_layer_norm": False,
     "cross_entropy_loss_fusion": False,
 }
-
-
-class _OneStream:
-    """Every CUDA stream is the CPU's one stream (megatron.training's ``_ddp_wrap`` builds DDP on a side stream)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        pass
-
-    def wait_event(self, *args, **kwargs):
-        pass
-
-    def record_event(self, *args, **kwargs):
-        return None
-
-    def synchronize(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _streams() -> None:
-    torch.cuda.Stream = _OneStream
-    torch.cuda.current_stream = lambda *a, **k: _OneStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
 def _attention_masks() -> None:
@@ -102,7 +69,6 @@ def install() -> None:
     import megatron.core.optimizer  # noqa: F401
 
     cpu_shims.install()
-    _streams()
     _attention_masks()
     bridge_stubs.import_bridge()  # also verl.models.mcore.bridge
     from megatron.bridge.models import gpt_provider

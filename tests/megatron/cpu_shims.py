@@ -29,7 +29,7 @@ def _cpu(device):
 
 class CudaToCpu(TorchFunctionMode):
     """Factory calls and ``.to()`` / ``.cuda()`` aimed at a CUDA device land on the CPU (``optimizer.py`` _scale_one,
-    ``clip_grads.py``)."""
+    ``clip_grads.py``); pinned host memory is plain host memory (verl's ``offload_megatron_model_to_cpu``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -37,8 +37,10 @@ class CudaToCpu(TorchFunctionMode):
             kwargs["device"] = _cpu(kwargs["device"])
         if func in (torch.Tensor.to,) and args and len(args) > 1 and not isinstance(args[1], torch.Tensor):
             args = (args[0], _cpu(args[1])) + tuple(args[2:]) if not isinstance(args[1], torch.dtype) else args
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if kwargs.get("pin_memory"):  # pinned host buffers (verl's offload) need an accelerator: plain CPU memory
+            kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
 
@@ -64,7 +66,7 @@ class OneStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return OneEvent()
 
     def synchronize(self):
         pass
@@ -74,6 +76,26 @@ class OneStream:
 
     def __exit__(self, *exc):
         return False
+
+
+class OneEvent:
+    """A CUDA event on the CPU's one stream: always complete (megatron-core 0.18+'s MoE token dispatcher synchronizes
+    on the event of its device-to-host copies, ``token_dispatcher.py`` _maybe_dtoh_and_synchronize)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
 
 
 _mode = None
@@ -100,6 +122,7 @@ def install() -> None:
     _set(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
     _set(torch.Tensor, "type", _type)
     _set(torch.cuda, "Stream", OneStream)
+    _set(torch.cuda, "Event", OneEvent)
     _set(torch.cuda, "current_stream", lambda *a, **k: OneStream())
     _set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     from megatron.core.tensor_parallel import random as mrandom

@@ -61,14 +61,33 @@ def build_engine(models_dir, opts):
         use_distributed_optimizer=True, dtype="bfloat16", seed=1, use_remove_padding=False, micro_batch_size_per_gpu=2,
         sequence_parallel=False,  # megatron-core's torch norm (no TE) asserts it off
         param_offload=opts.get("param_offload", False), optimizer_offload=opts.get("optimizer_offload", False),
-        override_transformer_config=dict(verl_stand_ins.TRANSFORMER_OVERRIDES), forward_only=False)
-    optim_config = McoreOptimizerConfig(lr=1e-3, clip_grad=1.0, total_training_steps=10)
+        override_transformer_config={**verl_stand_ins.TRANSFORMER_OVERRIDES,
+                                     **(verl_stand_ins.MOE_OVERRIDES if opts.get("moe") else {})},
+        forward_only=False)
+    optim_config = McoreOptimizerConfig(lr=1e-3, clip_grad=1.0, total_training_steps=10,
+                                        use_checkpoint_opt_param_scheduler=bool(opts.get("resume")))
     ckpt_config = CheckpointConfig(save_contents=["model", "optimizer", "extra"],
                                    load_contents=["model", "optimizer", "extra"])
     engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=model_config,
                                 engine_config=engine_config, optimizer_config=optim_config, checkpoint_config=ckpt_config)
     engine.initialize()
+    engine._faircast_test_opts = opts
+    offload(engine, opts)
     return engine
+
+
+def offload(engine, opts):
+    """What verl's ``to("cpu", ...)`` does on a GPU with ``param_offload`` / ``optimizer_offload`` (at the end of
+    ``initialize()``, and on leaving ``train_mode``): its own ``offload_megatron_model_to_cpu`` (the buckets' bf16
+    storage resized to 0) and ``offload_megatron_optimizer``. On the CPU platform ``get_device_name()`` is "cpu", so
+    verl's ``to("cpu")`` takes its load branch instead: called here directly. ``train_mode`` and
+    ``get_per_tensor_param`` load the model back through verl's own ``load_megatron_model_to_gpu``."""
+    from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
+
+    if opts.get("param_offload"):
+        offload_megatron_model_to_cpu(engine.module)
+    if opts.get("optimizer_offload"):
+        offload_megatron_optimizer(engine.optimizer)
 
 
 def batch(step, world_dp):
@@ -100,6 +119,7 @@ def train(engine, steps):
         with engine.train_mode():
             out = engine.train_batch(batch(step, mpu.get_data_parallel_world_size()), loss_function=partial(sft_loss, None))
         losses.append(out.get("metrics", {}).get("loss"))
+        offload(engine, engine._faircast_test_opts)
     return losses
 
 
@@ -181,6 +201,7 @@ def resume(engine, fc, models_dir, opts):
     files = sorted(f for f in os.listdir(ckpt) if f.startswith("faircast_state_rank"))
     train(engine, [1])
     want = exported(engine)
+    want_masters = hf_masters(engine)
     verl_megatron.PATCHES.remove()
     from faircast_plugins.megatron import remove_megatron_patch
 
@@ -192,9 +213,11 @@ def resume(engine, fc, models_dir, opts):
     train(again, [1])
     got = exported(again)
     diff = [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))]
+    got_masters = hf_masters(again)
+    masters_differ = [n for n in want_masters if not torch.equal(want_masters[n], got_masters[n])]
     check = compare(again, got, 2, True)
     return {"state_files": files, "loaded_version": loaded_version, "version": fc2.caster.version,
-            "mismatches": diff, "tensors": len(want), "check": check}
+            "mismatches": diff, "masters_differ": masters_differ, "tensors": len(want), "check": check}
 
 
 def main():

@@ -4,7 +4,7 @@ gloo (test-only; the facts are in /work/shared/notes/verl-megatron-cpu.md). They
 :func:`install` must run before verl's engine module is imported: 3.12 names, verl's CPU platform
 (tests/verl/shims/cpu_platform.py), megatron-core's CUDA calls and streams (cpu_shims.py), megatron-bridge imported
 behind a TransformerEngine stub that is gone afterwards (bridge_stubs.py), and the local attention given the masks
-verl's inputs carry. :data:`TRANSFORMER_OVERRIDES` goes into the engine config's ``override_transformer_config``.
+verl's inputs carry, and torch Adam's state initialised before a checkpoint load. :data:`TRANSFORMER_OVERRIDES` goes into the engine config's ``override_transformer_config``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ TRANSFORMER_OVERRIDES = {
     "persist_layer_norm": False,
     "cross_entropy_loss_fusion": False,
 }
+# MoE (Qwen3-MoE's provider asks for TransformerEngine's fused permutation and grouped GEMM): megatron-core's own
+# token permutation and SequentialMLP experts, which megatron-bridge's Qwen3MoeBridge maps as local_experts
+MOE_OVERRIDES = {"moe_permute_fusion": False, "moe_grouped_gemm": False}
 
 
 def _attention_masks() -> None:
@@ -52,6 +55,26 @@ def _attention_masks() -> None:
     dpa.DotProductAttention.forward = forward
 
 
+def _optimizer_state_before_load() -> None:
+    """verl's checkpoint load builds the optimizer's sharded state dict from a fresh optimizer. Without apex or
+    TransformerEngine, megatron-core's distributed optimizer uses torch's Adam, whose state (and its ``step``) exists
+    only after a step, and ``state_dict`` asserts one ``step`` (``distrib_optimizer.py`` state_dict): the state is
+    initialised with megatron-core's own dummy values first, as its other load paths do; the load replaces them."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.state_dict
+    if getattr(original, "_faircast_test_state", False):
+        return
+
+    def state_dict(self, *args, **kwargs):
+        if not self.optimizer.state_dict()["state"]:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, *args, **kwargs)
+
+    state_dict._faircast_test_state = True
+    DistributedOptimizer.state_dict = state_dict
+
+
 _INSTALLED = False
 
 
@@ -70,6 +93,7 @@ def install() -> None:
 
     cpu_shims.install()
     _attention_masks()
+    _optimizer_state_before_load()
     bridge_stubs.import_bridge()  # also verl.models.mcore.bridge
     from megatron.bridge.models import gpt_provider
 

@@ -305,7 +305,9 @@ def tests_megatron(session: nox.Session) -> None:
     session.install("--no-deps", "verl==0.9.1")
     session.install("-e", ".")
     for core, bridge, selection in MEGATRON_MATRIX:
-        session.install("--no-deps", "--ignore-requires-python", f"megatron-core=={core}", f"megatron-bridge=={bridge}")
+        # session.run, not session.install: the swap must also happen on a reused virtualenv (-R / --no-install)
+        session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python",
+                    f"megatron-core=={core}", f"megatron-bridge=={bridge}")
         env = {"FAIRCAST_EXPECT_MEGATRON_BRIDGE": "1", "FAIRCAST_EXPECT_MEGATRON_CORE": core,
                "FAIRCAST_EXPECT_VERL_MEGATRON": "1" if core == "0.18.2" else "0"}
         if core != "0.18.2":

@@ -130,3 +130,14 @@ def llama_mapping_registry():
     from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 
     return LlamaBridge().mapping_registry()
+
+
+def qwen3_moe_mapping_registry():
+    """megatron-bridge's Qwen3MoEBridge mapping registry (Qwen3-MoE: per-expert ``local_experts.E`` mappings, the
+    router as ``mlp.gate``), or None if not installed."""
+    if not import_bridge():
+        return None
+    from megatron.bridge.models.qwen import qwen3_moe_bridge
+
+    bridge = getattr(qwen3_moe_bridge, "Qwen3MoEBridge", None) or getattr(qwen3_moe_bridge, "Qwen3MoeBridge")
+    return bridge().mapping_registry()

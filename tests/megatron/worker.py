@@ -239,11 +239,11 @@ def check(model, optimizer, fc, version, faircast, sources=None):
 
 def converters_for_test(model, opts):
     """``(what apply_megatron_patch gets, lookup, bridge installed?)``: megatron-bridge's LlamaBridge mappings where it
-    is installed (``bridge=`` its registry; MoE layers: a ``converters=`` table of its mappings and hand-written
-    expert converters, LlamaBridge has none), else the hand-written converters of tests/megatron/hf_converters.py."""
+    is installed (``bridge=`` its registry; MoE layers: a ``converters=`` table of its Qwen3MoEBridge mappings, the
+    per-expert and router mappings of a Qwen3-MoE), else the hand-written converters of tests/megatron/hf_converters.py."""
     if opts.get("slime"):
         return slime_lookup()
-    registry = bridge_stubs.llama_mapping_registry()
+    registry = bridge_stubs.qwen3_moe_mapping_registry() if opts.get("experts") else bridge_stubs.llama_mapping_registry()
     own = hf_converters.llama_like(heads=4, groups=2, tied=opts.get("tied", False))
     if registry is not None and not opts.get("experts"):
         return {"bridge": registry}, registry.megatron_to_hf_lookup, True

@@ -25,7 +25,7 @@ from tests.megatron.test_megatron import _free_port  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WS1 = ["on", "off", "resume", "moe", "param_offload", "optimizer_offload"]
-WS2 = ["dp2", "dp2_off", "tp2", "tp2_off", "pp2"]
+WS2 = ["dp2", "dp2_off", "tp2", "tp2_off", "pp2", "dp2_overlap"]
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,14 @@ def test_param_offload_export_is_faircast_export_of_the_hf_master(ws1):
     if "out of bounds for storage of size 0" in r.get("error", ""):
         pytest.xfail("megatron-review finding 2: Fair Cast's attach slices the offloaded (0-byte) bucket storage")
     _serves_fair_cast(r, LLAMA_TENSORS)
+
+
+def test_overlapped_param_gather_export_is_faircast_export_of_the_hf_master(ws2):
+    """DP2 with ``overlap_param_gather`` (override_ddp_config and override_optimizer_config): megatron-core defers the
+    all-gather of the new params to the next forward, and verl exports right after the step."""
+    ranks = _ranks(ws2, "dp2_overlap")
+    if any(r["mismatches"] for r in ranks):
+        pytest.xfail(f"megatron-review finding 4: verl exports before the deferred param gather, so the other DP rank's "
+                     f"ranges are one version old ({max(len(r['mismatches']) for r in ranks)} of {LLAMA_TENSORS} tensors)")
+    for r in ranks:
+        _serves_fair_cast(r, LLAMA_TENSORS)

@@ -45,6 +45,7 @@ SCENARIOS = {
     "tp2": dict(tp=2), "tp2_off": dict(tp=2, faircast=False), "pp2": dict(pp=2),
     "resume": dict(resume=True), "param_offload": dict(param_offload=True),
     "optimizer_offload": dict(optimizer_offload=True), "moe": dict(moe=True),
+    "dp2_overlap": dict(overlap=True),
 }
 
 
@@ -60,12 +61,14 @@ def build_engine(models_dir, opts):
         tensor_model_parallel_size=opts.get("tp", 1), pipeline_model_parallel_size=opts.get("pp", 1),
         use_distributed_optimizer=True, dtype="bfloat16", seed=1, use_remove_padding=False, micro_batch_size_per_gpu=2,
         sequence_parallel=False,  # megatron-core's torch norm (no TE) asserts it off
+        override_ddp_config={"overlap_param_gather": True, "overlap_grad_reduce": True} if opts.get("overlap") else {},
         param_offload=opts.get("param_offload", False), optimizer_offload=opts.get("optimizer_offload", False),
         override_transformer_config={**verl_stand_ins.TRANSFORMER_OVERRIDES,
                                      **(verl_stand_ins.MOE_OVERRIDES if opts.get("moe") else {})},
         forward_only=False)
-    optim_config = McoreOptimizerConfig(lr=1e-3, clip_grad=1.0, total_training_steps=10,
-                                        use_checkpoint_opt_param_scheduler=bool(opts.get("resume")))
+    optim_config = McoreOptimizerConfig(
+        lr=1e-3, clip_grad=1.0, total_training_steps=10, use_checkpoint_opt_param_scheduler=bool(opts.get("resume")),
+        override_optimizer_config={"overlap_param_gather": True} if opts.get("overlap") else None)
     ckpt_config = CheckpointConfig(save_contents=["model", "optimizer", "extra"],
                                    load_contents=["model", "optimizer", "extra"])
     engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=model_config,

@@ -42,7 +42,9 @@ def _launch(nproc, scenarios, models, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"verl_megatron_ws{nproc}") / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
            os.path.join(HERE, "verl_engine.py"), str(out), models, *scenarios]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+    # without NVTE_*: megatron-core sets them in the process that builds a model (an earlier in-process test), and
+    # asserts them against verl's attention backend in the one that builds the next
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():

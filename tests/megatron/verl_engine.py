@@ -201,6 +201,7 @@ def resume(engine, fc, models_dir, opts):
         shutil.rmtree(ckpt, ignore_errors=True)
     dist.barrier()
     engine.save_checkpoint(ckpt, global_step=1)
+    saved_masters = hf_masters(engine)
     files = sorted(f for f in os.listdir(ckpt) if f.startswith("faircast_state_rank"))
     train(engine, [1])
     want = exported(engine)
@@ -213,6 +214,8 @@ def resume(engine, fc, models_dir, opts):
     fc2 = verl_megatron.activate(again, FairCastConfig(enabled=True, seed=SEED))
     again.load_checkpoint(ckpt)
     loaded_version = fc2.caster.version
+    loaded = hf_masters(again)  # the fp32 masters verl's load restored (== the saved ones if the load is exact)
+    loaded_differ = [n for n in saved_masters if not torch.equal(saved_masters[n], loaded[n])]
     train(again, [1])
     got = exported(again)
     diff = [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))]
@@ -220,7 +223,8 @@ def resume(engine, fc, models_dir, opts):
     masters_differ = [n for n in want_masters if not torch.equal(want_masters[n], got_masters[n])]
     check = compare(again, got, 2, True)
     return {"state_files": files, "loaded_version": loaded_version, "version": fc2.caster.version,
-            "mismatches": diff, "masters_differ": masters_differ, "tensors": len(want), "check": check}
+            "mismatches": diff, "masters_differ": masters_differ, "loaded_masters_differ": loaded_differ,
+            "tensors": len(want), "check": check}
 
 
 def main():

@@ -138,7 +138,7 @@ def test_resume_serves_the_uninterrupted_runs_bits(ws1):
 
 
 def test_qwen3_moe_export_is_faircast_export_of_the_hf_master(ws1):
-    """A Qwen3-MoE (4 experts, q/k norms) through megatron-bridge's own Qwen3MoeBridge mappings."""
+    """A Qwen3-MoE (4 experts, q/k norms) through megatron-bridge's own Qwen3MoEBridge mappings."""
     (r,) = _ranks(ws1, "moe")
     experts = {f"model.layers.{l}.mlp.experts.{e}.{p}_proj.weight" for l in range(2) for e in range(4)
                for p in ("gate", "up", "down")}

@@ -22,7 +22,7 @@ TRANSFORMER_OVERRIDES = {
     "cross_entropy_loss_fusion": False,
 }
 # MoE (Qwen3-MoE's provider asks for TransformerEngine's fused permutation and grouped GEMM): megatron-core's own
-# token permutation and SequentialMLP experts, which megatron-bridge's Qwen3MoeBridge maps as local_experts
+# token permutation and SequentialMLP experts, which megatron-bridge's Qwen3MoEBridge maps as local_experts
 MOE_OVERRIDES = {"moe_permute_fusion": False, "moe_grouped_gemm": False}
 
 

@@ -264,22 +264,55 @@ def tests_openrlhf(session: nox.Session) -> None:
     _pytest(session, "tests/openrlhf", env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})
 
 
+# megatron-core releases tests-megatron runs (MEGATRON_SPECIFIER in faircast_plugins/megatron/patch.py accepts exactly
+# these), each with the megatron-bridge whose real AutoBridge mappings key the HF scenarios, and what runs on it:
+# 0.19.2 is what a fresh install of verl's Megatron stack resolves, 0.18.2 verl 0.9.1's pin (through megatron-bridge
+# 0.5.2, not on PyPI; 0.5.1 pins the same Megatron-LM commit). Their PyPI wheels are cp311 builds that declare
+# Requires-Python >=3.12 and import on 3.11 (tests/megatron/bridge_stubs.py: typing.override), hence
+# --ignore-requires-python. One virtualenv; each release is swapped in with --no-deps (seconds, no resolve).
+MEGATRON_MATRIX = [
+    # (megatron-core, megatron-bridge, pytest selection)
+    ("0.19.2", "0.6.2", ["tests/megatron"]),
+    ("0.18.2", "0.5.1", ["tests/megatron"]),  # + verl's MegatronEngine end to end (test_verl_engine.py)
+    # the world-1 launch only (every scenario, HF keys included) and the element map: the oldest release, the
+    # multi-rank layouts run on the two above. megatron-bridge 0.5+ needs megatron-core 0.18+; 0.3.1's mappings
+    # import with transformers 5.8.1
+    ("0.16.1", "0.3.1", ["tests/megatron/test_megatron.py", "tests/megatron/test_hf_map.py", "-k",
+                         "world1 or ws1 or version or refusal or skipped or around or audit or hf_map or autobridge"
+                         " or installed_release or converters_own"]),
+]
+# verl 0.9.1 --no-deps with what its Megatron engine imports (shared/notes/verl-megatron-cpu.md): transformers 5.8.x fits
+# megatron-bridge 0.5.1 (>=5.8.1,<5.9) and 0.6.2 (>=5.8,<=5.12.1) and verl (>=5.5.3,<5.11); nvidia-modelopt is a real
+# import of megatron-bridge 0.5+, triton one of megatron-core 0.18+ (the CPU wheel).
+MEGATRON_DEPS = [
+    "transformers==5.8.1", "triton==3.9.0", "nvidia-modelopt==0.47.0", "einops", "rich", "omegaconf", "hydra-core",
+    "tensordict>=0.8,<=0.10,!=0.9.0", "codetiming", "datasets", "peft", "accelerate", "dill", "pandas", "pyarrow",
+    "pybind11", "pylatexenc", "torchdata", "numpy", "pytest", "cachetools", "pillow", "ray[default]", "uvicorn",
+    "fastapi", "pyzmq", "msgspec",
+]
+
+
 @nox.session(name="tests-megatron", python=PYTHON, tags=["tests"])
 def tests_megatron(session: nox.Session) -> None:
-    """The Megatron-core cast-site patch (distributed and Float16 optimizers; DP, TP, PP, EP MoE; gloo on CPU).
+    """The Megatron-core cast-site patch (distributed and Float16 optimizers; DP, TP, PP, EP MoE; gloo on CPU) on
+    megatron-core 0.19.2, 0.18.2 and 0.16.1 with megatron-bridge's real mappings, and verl 0.9.1's MegatronEngine end to
+    end (``initialize()`` through megatron-bridge 0.5.1, verl's own export) with Fair Cast on.
 
-    megatron-core 0.16.1 is the newest on PyPI and imports without TransformerEngine or apex; tests/megatron/
-    stands in for the few CUDA-only calls it makes on CPU.
-    """
+    tests/megatron/ stands in for the few CUDA-only calls megatron-core makes on CPU (cpu_shims.py) and for
+    TransformerEngine while megatron-bridge imports (bridge_stubs.py). ``-- ARGS`` goes to every pytest run."""
     session.install(TORCH)
-    session.install("megatron-core==0.16.1", "pytest", "numpy")
-    # The HF keys through megatron-bridge's own converters: 0.3.1 is the newest on PyPI (verl 0.9.1 pins 0.5.2, whose
-    # converter API is the same, read from its sources). Its converter modules import with transformers<5 and three
-    # small packages; its other pins (TransformerEngine, mamba, ...) are left out (tests/megatron/bridge_stubs.py).
-    session.install("transformers==4.57.6", "rich", "omegaconf", "einops")
-    session.install("--no-deps", "megatron-bridge==0.3.1")
+    session.install(*MEGATRON_DEPS)
+    session.install("--no-deps", "verl==0.9.1")
     session.install("-e", ".")
-    _pytest(session, "tests/megatron", env={"FAIRCAST_EXPECT_MEGATRON_BRIDGE": "1"})
+    for core, bridge, selection in MEGATRON_MATRIX:
+        # session.run, not session.install: the swap must also happen on a reused virtualenv (-R / --no-install)
+        session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python",
+                    f"megatron-core=={core}", f"megatron-bridge=={bridge}")
+        env = {"FAIRCAST_EXPECT_MEGATRON_BRIDGE": "1", "FAIRCAST_EXPECT_MEGATRON_CORE": core,
+               "FAIRCAST_EXPECT_VERL_MEGATRON": "1" if core == "0.18.2" else "0"}
+        if core != "0.18.2":
+            selection = [*selection, "--ignore", "tests/megatron/test_verl_engine.py"]
+        _pytest(session, *selection, env=env)
 
 
 # The real-model tier (tests/realmodel): SmolLM2-135M-Instruct, a bf16 checkpoint built once per machine from the

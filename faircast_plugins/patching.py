@@ -103,11 +103,22 @@ def self_check(distribution: str, version: str) -> None:
     _passed.add(distribution)
 
 
+def _spec_sets(specifier: str) -> list:
+    """A specifier is one PEP 440 specifier set, or several joined by ``||`` (any of them: exact releases that ran)."""
+    return [SpecifierSet(part.strip(), prereleases=True) for part in specifier.split("||")]
+
+
+def version_matches(version: str, specifier: str) -> bool:
+    return any(Version(version) in spec for spec in _spec_sets(specifier))
+
+
 def _newer_than_verified(version: str, specifier: str) -> bool:
-    """True when ``version`` is above the verified range (past its upper bound), not below it."""
-    spec = SpecifierSet(specifier, prereleases=True)
-    lower = [s for s in spec if s.operator in (">=", ">", "==", "~=")]
-    return Version(version) not in spec and all(Version(version) > Version(s.version) for s in lower)
+    """True when ``version`` is not verified but above a verified range (past its upper bound, or between two
+    verified releases of a ``||`` union), not below all of them."""
+    if version_matches(version, specifier):
+        return False
+    lower = [[s for s in spec if s.operator in (">=", ">", "==", "~=")] for spec in _spec_sets(specifier)]
+    return any(all(Version(version) > Version(s.version) for s in bounds) for bounds in lower)
 
 
 def check_version(distribution: str, specifier: str, *, framework: str | None = None) -> tuple[str, bool]:
@@ -120,7 +131,7 @@ def check_version(distribution: str, specifier: str, *, framework: str | None = 
         raise FairCastPatchError(
             f"Fair Cast for {name} needs the '{distribution}' package ({specifier}), which is not installed."
         )
-    if Version(version) in SpecifierSet(specifier, prereleases=True):
+    if version_matches(version, specifier):
         return version, True
     newer = _newer_than_verified(version, specifier)
     if newer and (unverified_allowed(distribution) or os.environ.get(DOCTOR_ENV)):

@@ -35,6 +35,7 @@ reentrant.
 """
 from __future__ import annotations
 
+import ctypes
 import platform
 import threading
 from contextlib import contextmanager
@@ -504,10 +505,19 @@ def round_keys(key: int) -> np.ndarray:
 
 
 def numpy_bits(t: torch.Tensor, dtype: torch.dtype, np_dtype) -> np.ndarray:
-    """Zero-copy numpy view of a flat contiguous CPU tensor's bits."""
+    """Zero-copy numpy view of a flat contiguous CPU tensor's bits, valid while ``t`` lives.
+
+    Made from the data pointer, not ``Tensor.numpy()``: that marks the tensor's storage non-resizable for good, and
+    the frameworks free and restore the storage of the tensors Fair Cast writes (verl's ``param_offload`` resizes
+    Megatron's bucket storage to 0 bytes and back between steps)."""
     if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"the cpu backend takes flat contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
-    return t.detach().view(dtype).numpy().view(np_dtype)
+    t = t.detach().view(dtype)  # validates the reinterpretation
+    count = t.numel() * t.element_size() // np.dtype(np_dtype).itemsize
+    if count == 0:
+        return np.empty(0, dtype=np_dtype)
+    return np.frombuffer((ctypes.c_char * (count * np.dtype(np_dtype).itemsize)).from_address(t.data_ptr()),
+                         dtype=np_dtype, count=count)
 
 
 _LOCK = threading.Lock()

@@ -140,8 +140,10 @@ Lookup = Callable[[str], Any]
 
 #: Overrides of megatron-bridge's per-model post-export hook ``MegatronModelBridge.maybe_modify_converted_hf_weight``
 #: (run by ``stream_weights_megatron_to_hf`` on every mapping's output, after the converter) that were read and leave
-#: the converted weights as they are: DeepSeek-V3's only adds the ``rotary_emb.inv_freq`` buffer (bridge 0.3.1, 0.5.1).
-HARMLESS_EXPORT_HOOKS = ("megatron.bridge.models.deepseek.deepseek_v3_bridge.DeepSeekV3Bridge",)
+#: the converted weights as they are: DeepSeek-V3's (bridge 0.3.1, 0.5.1, 0.6.2) and Llama's (0.6.2) only add the
+#: ``rotary_emb.inv_freq`` buffer, which is not a parameter.
+HARMLESS_EXPORT_HOOKS = ("megatron.bridge.models.deepseek.deepseek_v3_bridge.DeepSeekV3Bridge",
+                         "megatron.bridge.models.llama.llama_bridge.LlamaBridge")
 EXPORT_HOOK = "maybe_modify_converted_hf_weight"
 
 

@@ -45,9 +45,11 @@ from .runs import local_runs
 logger = logging.getLogger("faircast_plugins")
 
 DISTRIBUTION = "megatron-core"
-#: 0.16.x ran here (CPU, gloo, tests/megatron); 0.18.2 (verl 0.9.1's pin through megatron-bridge 0.5.2) was read
-#: from its sources: the same copy, range map and bucket layout (docs/megatron.md).
-MEGATRON_SPECIFIER = ">=0.16.0rc0,!=0.17.*,!=0.18.0,!=0.18.1,<0.18.3"
+#: Exactly the releases tests-megatron runs (CPU, gloo; docs/megatron.md): 0.16.1, 0.18.2 (verl 0.9.1's pin through
+#: megatron-bridge 0.5.x) and 0.19.2 (what a fresh install of verl's Megatron stack resolves). Anything else is refused
+#: with its version: older ones (slime's 0.16.0rc0 pin included) and the unrun ones between them ask for one of these;
+#: newer ones may opt in (FAIRCAST_ALLOW_UNVERIFIED=megatron-core, then `faircast doctor megatron-core` must pass).
+MEGATRON_SPECIFIER = "==0.16.1 || ==0.18.2 || ==0.19.2"
 STATE_FILE = "faircast_state_rank{rank:05d}.pt"
 SUPPORTED = {
     "DistributedOptimizer": "megatron.core.optimizer.distrib_optimizer",

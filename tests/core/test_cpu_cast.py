@@ -474,3 +474,16 @@ def test_cast_many_rejects_bad_items():
     with pytest.raises(ValueError, match="unknown Fair Cast mode"):
         cpu_cast.cast_many([CastItem(torch.empty(16, dtype=torch.bfloat16), x, 0)], "dither")
 
+
+
+def test_the_cpu_kernel_leaves_the_tensors_storage_resizable():
+    """verl's param_offload frees Megatron's bucket storage (resize_(0)) and restores it between steps: a cast into it
+    must not mark it non-resizable (Tensor.numpy() does, for good)."""
+    from faircast_plugins.cast import fair_cast
+
+    x = torch.randn(4096)
+    out = torch.empty(4096, dtype=torch.bfloat16)
+    fair_cast(x, key=7, out=out, backend="cpu")
+    assert out.untyped_storage().resizable() and x.untyped_storage().resizable()
+    out.untyped_storage().resize_(0)
+    out.untyped_storage().resize_(4096 * 2)

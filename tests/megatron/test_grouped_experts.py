@@ -175,7 +175,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 import megatron.core.optimizer
 from tests.megatron import bridge_stubs
-bridge_stubs.install()
+bridge_stubs.import_bridge()
 from megatron.core import parallel_state as ps
 from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 from faircast_plugins.megatron.hf_map import build_element_map, converter_lookup, describe

@@ -158,24 +158,33 @@ def test_a_model_bridge_whose_export_hook_changes_weights_is_refused():
 AUTOBRIDGE = """
 import sys
 sys.path.insert(0, {root!r})
-import megatron.core.optimizer
 from tests.megatron import bridge_stubs
-bridge_stubs.install()
+bridge_stubs.import_bridge()
 from transformers import LlamaConfig
 from megatron.bridge import AutoBridge
 from faircast_plugins.megatron.hf_map import converter_lookup, hf_vocab_size_of
 bridge = AutoBridge.from_hf_config(LlamaConfig(vocab_size=90, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                                intermediate_size=96, num_hidden_layers=2, architectures=["LlamaForCausalLM"]))
 mapping = converter_lookup(bridge)("decoder.layers.1.self_attention.linear_qkv.weight")
+import importlib
 from megatron.bridge.models.deepseek.deepseek_v3_bridge import DeepSeekV3Bridge
-from megatron.bridge.models.qwen_vl.qwen3_vl_bridge import Qwen3VLMoEBridge
-from faircast_plugins.megatron.hf_map import ConverterError
+from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+from faircast_plugins.megatron.hf_map import EXPORT_HOOK, ConverterError
 converter_lookup(DeepSeekV3Bridge())  # its hook only adds rotary inv_freq: accepted
+converter_lookup(LlamaBridge())  # no hook (0.3.1, 0.5.1) or the inv_freq one (0.6.2): accepted
+# a bridge whose hook changes weights, in this release: Qwen3-VL-MoE regroups experts (0.3.1), MiMo swaps halves (0.5+)
+for module, name in (("qwen_vl.qwen3_vl_bridge", "Qwen3VLMoEBridge"), ("mimo.mimo_bridge", "MimoBridge")):
+    try:
+        cls = getattr(importlib.import_module("megatron.bridge.models." + module), name)
+    except (ImportError, AttributeError):
+        continue
+    if EXPORT_HOOK in vars(cls):
+        break
 try:
-    converter_lookup(Qwen3VLMoEBridge())
+    converter_lookup(cls())
     print("hook accepted")
 except ConverterError as exc:
-    print("hook refused" if "Qwen3VLMoEBridge" in str(exc) else exc)
+    print("hook refused" if name in str(exc) else exc)
 print(type(mapping).__name__, mapping.hf_param["k"], hf_vocab_size_of(bridge))
 """
 

@@ -1,4 +1,4 @@
-"""Fair Cast on megatron-core 0.16.1 (CPU, gloo): the served bf16 params after each step, for every layout.
+"""Fair Cast on megatron-core 0.16.1, 0.18.2 and 0.19.2 (CPU, gloo): the served bf16 params after each step, for every layout.
 
 Three torchrun launches serve every test (a launch costs ~10 s of imports): world sizes 1, 2 and 4 (TP2 x DP2); each
 runs its scenarios (tests/megatron/worker.py) one after another in one process group.
@@ -166,12 +166,29 @@ def test_a_copy_around_fair_cast_fails_the_step(ws1):
 
 
 def test_version_guard():
+    """Exactly the releases tests-megatron runs are verified: no pre-, post- or other release of them (finding 11)."""
     from faircast_plugins.megatron.patch import MEGATRON_SPECIFIER
-    from packaging.specifiers import SpecifierSet
+    from faircast_plugins.patching import _newer_than_verified, version_matches
 
-    spec = SpecifierSet(MEGATRON_SPECIFIER, prereleases=True)
-    assert {v for v in ("0.16.0rc0", "0.16.0", "0.16.1", "0.18.2") if v in spec} == {"0.16.0rc0", "0.16.0", "0.16.1", "0.18.2"}
-    assert not any(v in spec for v in ("0.15.3", "0.17.0", "0.18.1", "0.18.3", "0.20.0"))
+    assert {v for v in ("0.16.1", "0.18.2", "0.19.2") if version_matches(v, MEGATRON_SPECIFIER)} == {"0.16.1", "0.18.2", "0.19.2"}
+    unrun = ("0.15.3", "0.16.0rc0", "0.16.0", "0.16.2", "0.17.0", "0.18.0", "0.18.1", "0.18.2rc0", "0.18.2.post1",
+             "0.18.3", "0.19.0", "0.19.2rc1", "0.19.2.post1", "0.20.0", "0.20.0rc0")
+    assert not any(version_matches(v, MEGATRON_SPECIFIER) for v in unrun)
+    # above the oldest verified release: refused unless opted in (then `faircast doctor megatron-core` must pass)
+    assert all(_newer_than_verified(v, MEGATRON_SPECIFIER) for v in ("0.17.0", "0.18.2.post1", "0.19.0", "0.20.0"))
+    assert not any(_newer_than_verified(v, MEGATRON_SPECIFIER) for v in ("0.15.3", "0.16.0rc0", "0.16.0"))  # upgrade
+
+
+def test_the_installed_release_is_the_one_this_session_runs():
+    """nox's tests-megatron runs this suite once per release (FAIRCAST_EXPECT_MEGATRON_CORE): the gate accepts it."""
+    from faircast_plugins.megatron.patch import MEGATRON_SPECIFIER
+    from faircast_plugins.patching import installed_version, version_matches
+
+    expected = os.environ.get("FAIRCAST_EXPECT_MEGATRON_CORE")
+    installed = installed_version("megatron-core")
+    if expected:
+        assert installed == expected, (installed, expected)
+    assert version_matches(installed, MEGATRON_SPECIFIER), installed
 
 
 def test_unverified_release_is_refused_with_its_version(monkeypatch):

@@ -240,12 +240,13 @@ def check(model, optimizer, fc, version, faircast, sources=None):
 
 def converters_for_test(model, opts):
     """``(what apply_megatron_patch gets, lookup, bridge installed?)``: megatron-bridge's LlamaBridge mappings where it
-    is installed (``bridge=`` the model bridge; MoE layers: a ``converters=`` table of its mappings and hand-written
-    expert converters, LlamaBridge has none), else the hand-written converters of tests/megatron/hf_converters.py."""
+    is installed (``bridge=`` the model bridge; MoE layers: a ``converters=`` table of its Qwen3MoEBridge mappings,
+    the per-expert and router mappings of a Qwen3-MoE), else the hand-written converters of tests/megatron/hf_converters.py."""
     if opts.get("slime"):
         return slime_lookup()
-    model_bridge = bridge_stubs.llama_model_bridge()
-    registry = model_bridge.mapping_registry() if model_bridge is not None else None
+    model_bridge = None if opts.get("experts") else bridge_stubs.llama_model_bridge()
+    registry = (bridge_stubs.qwen3_moe_mapping_registry() if opts.get("experts")
+                else model_bridge.mapping_registry() if model_bridge is not None else None)
     own = hf_converters.llama_like(heads=4, groups=2, tied=opts.get("tied", False))
     if registry is not None and not opts.get("experts"):
         return {"bridge": model_bridge}, registry.megatron_to_hf_lookup, True

@@ -51,6 +51,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from tests.megatron.hf_converters import gated, qkv, same  # noqa: E402  (the test suite's Megatron->HF converters)
 from faircast_plugins import torch_ref  # noqa: E402
 from faircast_plugins.caster import FairCaster  # noqa: E402
 from faircast_plugins.config import FairCastConfig  # noqa: E402
@@ -67,28 +68,6 @@ TP = 8
 
 
 # -- the layer ---------------------------------------------------------------------------------------------------
-def _qkv(heads, groups, q, k, v):
-    per = heads // groups
-
-    def convert(w):
-        head_dim = w.shape[0] // (groups * (per + 2))
-        x = w.reshape(groups, (per + 2) * head_dim, *w.shape[1:])
-        rest = w.shape[1:]
-        return {q: x[:, : per * head_dim].reshape(heads * head_dim, *rest),
-                k: x[:, per * head_dim: (per + 1) * head_dim].reshape(groups * head_dim, *rest),
-                v: x[:, (per + 1) * head_dim:].reshape(groups * head_dim, *rest)}
-
-    return convert
-
-
-def _gated(gate, up):
-    return lambda w: dict(zip((gate, up), torch.chunk(w, 2, dim=0)))
-
-
-def _same(name):
-    return lambda w: {name: w}
-
-
 def layer_params(preset: str, tp: int = 1, tp_rank: int = 0) -> List[tuple]:
     """``(ParamKey, converter)`` of one decoder layer's weights as Megatron holds them at ``tp`` (rank ``tp_rank``):
     column-parallel QKV and fc1 (partition dim 0; fc1 de-interleaved per rank, stride 2), row-parallel proj and fc2
@@ -100,14 +79,14 @@ def layer_params(preset: str, tp: int = 1, tp_rank: int = 0) -> List[tuple]:
     return [
         (ParamKey(p + "self_attention.linear_qkv.weight", (qkv_rows // tp, hidden), partition_dim=0 if tp > 1 else -1,
                   **split),
-         _qkv(heads, groups, *(f"{h}self_attn.{x}_proj.weight" for x in "qkv"))),
+         qkv(heads, groups, *(f"{h}self_attn.{x}_proj.weight" for x in "qkv"))),
         (ParamKey(p + "self_attention.linear_proj.weight", (hidden, heads * hd // tp), partition_dim=1 if tp > 1 else -1,
-                  **split), _same(h + "self_attn.o_proj.weight")),
+                  **split), same(h + "self_attn.o_proj.weight")),
         (ParamKey(p + "mlp.linear_fc1.weight", (2 * ffn // tp, hidden), partition_dim=0 if tp > 1 else -1,
                   stride=2 if tp > 1 else 1, **split),
-         _gated(h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")),
+         gated(h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")),
         (ParamKey(p + "mlp.linear_fc2.weight", (hidden, ffn // tp), partition_dim=1 if tp > 1 else -1, **split),
-         _same(h + "mlp.down_proj.weight")),
+         same(h + "mlp.down_proj.weight")),
     ]
 
 

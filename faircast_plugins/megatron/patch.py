@@ -34,6 +34,7 @@ import torch
 from ..audit import reduce_metrics
 from ..cast import RunTable, fair_cast_runs
 from ..caster import FairCaster, audit_track
+from ..delta_sync import costly_mode_warning
 from ..export import save_state
 from ..patching import FairCastPatchError, PatchSet, installed_version
 from ..policy_lag import refuse_policy_metrics
@@ -384,6 +385,10 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     if not caster.config.active:
         return None
     refuse_policy_metrics(caster, "Megatron-core's patch (apply_megatron_patch; verl's Megatron engine, slime, NeMo-RL)")
+    delta = getattr(converters, "delta_sync", None)
+    warning = delta and costly_mode_warning(caster.config.effective_mode, delta, "FairCastConfig(mode='sticky')")
+    if warning:
+        logger.warning(warning)
     install_megatron_patch()
     subs = _sub_optimizers(optimizer)
     check_optimizer(optimizer)

@@ -70,7 +70,8 @@ def slime_converters(args, model_name: str, hf_config=_REQUIRED) -> Callable[[st
     ``quantization_config``. Refused: such a ``quantization_config`` (fp8 / int4: the served weights are not the bf16
     params Fair Cast casts) and ``args.q_lora_rank`` (slime pairs the MLA ``q_a_proj`` and ``kv_a_proj_with_mqa``
     exports across calls through a module-level cache, which a converter run one param at a time would leave
-    filled)."""
+    filled). Under ``--update-weight-mode=delta`` the lookup says so (``lookup.delta_sync``):
+    :func:`~.patch.apply_megatron_patch` then warns for a mode that changes most served elements every version."""
     if hf_config is _REQUIRED or hf_config is None:
         raise ConverterError(
             "slime_converters(args, model_name, hf_config): pass the actor's HF config (slime's self.hf_config). slime's "
@@ -109,4 +110,6 @@ def slime_converters(args, model_name: str, hf_config=_REQUIRED) -> Callable[[st
         convert.__qualname__ = f"slime convert_to_hf[{model_name}]"
         return convert
 
+    if getattr(args, "update_weight_mode", None) == "delta":  # slime sends only the HF elements that changed
+        lookup.delta_sync = "slime's --update-weight-mode=delta"
     return lookup

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from ..config import FairCastConfig, parse_bool
+from ..delta_sync import costly_mode_warning, rates as delta_rates
 
 #: Strategies whose bf16 compute copy Fair Cast can make follow the contract.
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
@@ -43,10 +44,6 @@ def _value(worker_config: Any) -> Any:
     return _plain(getter("faircast", None)) if getter is not None else None
 
 
-#: Served elements changed per weight version in verl's delta_sharded source, per mode (benchmarks/verl_delta.py:
-#: verl 0.9.1's worker on CPU, a tiny Qwen2 from a bf16 checkpoint, Adam lr 1e-6, mean over versions 121-150;
-#: docs/verl.md, Limits). What a delta sync sends grows with it.
-DELTA_CHANGED_PCT = {"nearest": 4.23, "sticky": 4.35, "stochastic": 30.4, "error_feedback": 44.2}
 DELTA_BACKENDS = ("delta_sharded",)
 
 
@@ -97,18 +94,14 @@ def delta_sync_advice(worker_config: Any) -> Optional[Tuple[str, str]]:
     config = read_faircast(worker_config)
     if backend is None or config is None or not config.enabled:
         return None
-    rates = ", ".join(f"{m} {pct}%" for m, pct in DELTA_CHANGED_PCT.items())
-    where = (f"rollout.checkpoint_engine.backend={backend} sends only the served elements that change per weight "
-             f"version (measured per version, benchmarks/verl_delta.py: {rates})")
+    where = f"rollout.checkpoint_engine.backend={backend}"
     if not _mode_given(_value(worker_config)):
-        return "info", (f"Fair Cast: mode=sticky (no faircast.mode given): {where}; sticky changes about as few "
-                        f"elements as round-to-nearest, unbiased. Set faircast.mode to choose another mode")
-    if config.mode in ("stochastic", "error_feedback"):
-        ratio = DELTA_CHANGED_PCT[config.mode] / DELTA_CHANGED_PCT["sticky"]
-        return "warning", (f"Fair Cast: mode={config.mode} with a delta weight sync: {where}, so each sync sends "
-                           f"about {ratio:.1f}x the elements mode=sticky sends. Use faircast.mode=sticky for delta "
-                           f"syncs (docs/verl.md, Limits)")
-    return None
+        return "info", (f"Fair Cast: mode=sticky (no faircast.mode given): {where} sends only the served elements that "
+                        f"change per weight version (measured per version, benchmarks/verl_delta.py: "
+                        f"{delta_rates()}); sticky changes about as few elements as round-to-nearest, unbiased. "
+                        f"Set faircast.mode to choose another mode")
+    warning = costly_mode_warning(config.mode, where, "faircast.mode=sticky (docs/verl.md, Limits)")
+    return ("warning", warning) if warning else None
 
 
 def verl_option(worker_config: Any, name: str) -> bool:

@@ -281,3 +281,27 @@ def test_real_slime_converters_on_a_megatron_core_optimizer(real_slime, tmp_path
         assert len(r["check"]["mismatches"]) == r["check"]["params"]  # Megatron-native keys no longer fit the bits
         assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
                 "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.up_proj.weight"} <= set(hf["hf_names"])
+
+
+@pytest.mark.parametrize("mode, warns", [("stochastic", True), ("error_feedback", True), ("sticky", False)])
+def test_slime_delta_weight_sync_warns_for_modes_that_resend_most_elements(stand_in, caplog, mode, warns):
+    """slime's --update-weight-mode=delta sends only the HF elements that changed; stochastic redraws its noise every
+    version, so that is nearly a full sync (megatron-review.md finding 12): apply_megatron_patch says so."""
+    from faircast_plugins.caster import FairCaster
+    from faircast_plugins.config import FairCastConfig
+    from faircast_plugins.megatron import apply_megatron_patch
+
+    delta = fc_slime.slime_converters(SimpleNamespace(**{**vars(slime_args()), "update_weight_mode": "delta"}),
+                                      "qwen2config", HF_CONFIG)
+    full = fc_slime.slime_converters(SimpleNamespace(**{**vars(slime_args()), "update_weight_mode": "full"}),
+                                     "qwen2config", HF_CONFIG)
+    assert delta.delta_sync == "slime's --update-weight-mode=delta" and not hasattr(full, "delta_sync")
+    for converters, expected in ((delta, warns), (full, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="faircast_plugins"), pytest.raises(Exception):
+            apply_megatron_patch(object(), FairCaster(FairCastConfig(enabled=True, mode=mode)), model_chunks=[object()],
+                                 converters=converters, hf_vocab_size=HF_VOCAB)  # no optimizer: raises after the advice
+        said = [r.getMessage() for r in caplog.records if "delta weight sync" in r.getMessage()]
+        assert bool(said) == expected, said
+        if expected:
+            assert "mode=sticky" in said[0] and "--update-weight-mode=delta" in said[0]

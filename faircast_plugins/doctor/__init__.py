@@ -118,13 +118,13 @@ def add_doctor_arguments(parser) -> None:
 
 
 def run_doctor(args) -> int:
-    os.environ[DOCTOR_ENV] = "1"  # patch newer (unverified) releases here: this run is their self-check
     named = bool(args.frameworks)
     frameworks = args.frameworks or _installed_frameworks()
     unknown = sorted(f for f in set(frameworks) if not _checks_of(f))
     if unknown:
         raise SystemExit(f"faircast doctor: unknown framework(s) {', '.join(unknown)}; known: {', '.join(FRAMEWORKS)} "
                          f"(checks: {', '.join(CHECKS)})")  # the CLI prints it as a usage error (exit 2)
+    os.environ[DOCTOR_ENV] = "1"  # patch newer (unverified) releases here: this run is their self-check
     checks = list(dict.fromkeys(c for f in frameworks for c in _checks_of(f)))
     failed = skipped = 0
     for name in checks:

@@ -6,6 +6,14 @@ import sys
 import pytest
 
 from faircast_plugins import __version__, cli
+from faircast_plugins.patching import DOCTOR_ENV
+
+
+@pytest.fixture(autouse=True)
+def _no_doctor_env_left_behind(monkeypatch):
+    """`faircast doctor` marks its own process as a self-check run (DOCTOR_ENV): restore the environment after each
+    in-process CLI call, or later tests of the version gate would see newer releases allowed."""
+    monkeypatch.delenv(DOCTOR_ENV, raising=False)
 
 
 def test_version_flag(capsys):

@@ -1,0 +1,204 @@
+"""What a stale or rounded sampler costs under TRL's importance-sampling correction, against completion length.
+
+    python -m faircast_plugins.ab.staleness --preset smollm2 --out out/staleness      (~1 h on 2 loaded cores)
+    python -m faircast_plugins.ab.staleness --preset smoke --out out/staleness-smoke  (seconds; CI)
+
+No seeds of training are compared: the quantity is a distribution. Two phases:
+
+1. **train**: one fresh GRPO run of the A/B harness (``run_one``: TRL + colocated vLLM, compute fp32, the arm
+   ``fp32-served``) that saves the fp32 master at the preset's steps (``save_masters``).
+2. **measure**: at each of the preset's ``times`` t, the samplers S in {the master θ_t (control), RTN(θ_t),
+   SR(θ_t) (Fair Cast's copy at version t), θ_{t-lag} (``lag`` steps stale), θ_0 (frozen)} each draw completions
+   (temperature 1, no top-k/top-p: TRL's defaults; the end-of-sequence token does not stop a completion, so every
+   completion has the full length; it is a free-running continuation, no reward is needed). Each token is scored
+   in lockstep by S and by the learner θ_t (fp32 HF forwards, the same kernels: only the weights differ), and at
+   every length T of ``lengths`` (prefixes of one completion) this reports
+
+   * ``sd_log_ratio``: the spread of the sequence log-ratio  L = sum_{i<=T} log θ_t(y_i) - log S(y_i);
+   * ``kl_per_token``: the exact per-token KL(S || θ_t) of the next-token distributions, averaged over positions;
+   * ``ess_fraction``: ESS/n = (sum w)^2 / (n sum w^2) of the sequence weights w = exp(L) (TRL's ratio);
+   * ``masked_fraction`` / ``masked_weight``: the share of sequences that TRL 1.16's ``sequence_mask`` (its default
+     ``vllm_importance_sampling_mode``; cap ``vllm_importance_sampling_clip_max`` = 3.0, no lower cap by default)
+     sets to 0, and the share of the total weight they carried; ``truncated_weight``: the share of weight that
+     ``sequence_truncate`` would clip away at the same cap;
+   * ``ess_fraction_lognormal``: exp(-sd^2), what a lognormal with that spread predicts.
+
+The rounding samplers are cast from θ_t exactly as the A/B's readouts are (``run_one.readout_copy``), and computed
+in fp32, so they isolate the weights' rounding from bf16 kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+#: TRL 1.16 GRPOConfig defaults read from its source (grpo_config.py, grpo_trainer.py): the sequence-level ratio
+#: exp(sum of per-token (trainer - sampler) log-prob differences), masked to 0 above clip_max.
+TRL_IS_MODE = "sequence_mask"
+TRL_IS_CAP = 3.0
+
+
+@dataclass
+class Preset:
+    name: str
+    protocol: str = "smollm2-word2z"   # the A/B preset whose task, warm start and GRPO settings the run uses
+    seed: int = 70                     # the trajectory's seed (not one of PROTOCOL-4's 60-63)
+    steps: int = 30
+    times: List[int] = field(default_factory=lambda: [20, 30])
+    lag: int = 10
+    lengths: List[int] = field(default_factory=lambda: [27, 100, 300])
+    prompts: int = 8
+    samples: int = 8
+    sampling_seed: int = 0
+    threads: int = 2
+    samplers: List[str] = field(default_factory=lambda: ["master", "rtn", "sr", "stale", "frozen"])
+    #: the smoke preset: a tiny random model and synthetic "masters" instead of a training run
+    synthetic: bool = False
+
+
+PRESETS = {
+    "smollm2": Preset("smollm2"),
+    "smoke": Preset("smoke", steps=2, times=[2], lag=1, lengths=[2, 5], prompts=2, samples=2, threads=1,
+                    synthetic=True),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# statistics of importance weights
+
+
+def weight_stats(log_ratio: Sequence[float], cap: float = TRL_IS_CAP) -> dict:
+    """The statistics of sequence log-ratios ``log_ratio`` (learner minus sampler) that say what TRL's correction
+    does with them: spread, ESS fraction, what ``sequence_mask`` drops and what ``sequence_truncate`` clips."""
+    import torch
+
+    L = torch.as_tensor(list(log_ratio), dtype=torch.float64)
+    n = L.numel()
+    w = torch.exp(L)
+    total = float(w.sum())
+    ess = total ** 2 / (n * float((w * w).sum()))
+    masked = w > cap
+    kept = torch.where(masked, torch.zeros_like(w), w)
+    sd = float(L.std(unbiased=True)) if n > 1 else 0.0
+    return {
+        "n": n,
+        "mean_log_ratio": float(L.mean()),
+        "sd_log_ratio": sd,
+        "mean_weight": total / n,
+        "ess_fraction": ess,
+        "ess_fraction_lognormal": math.exp(-sd * sd),
+        "masked_fraction": float(masked.double().mean()),
+        "masked_weight": float(w[masked].sum()) / total,
+        "ess_fraction_after_mask": (float(kept.sum()) ** 2 / (n * float((kept * kept).sum()))
+                                    if float(kept.sum()) > 0 else 0.0),
+        "truncated_weight": float((w - w.clamp(max=cap)).sum()) / total,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# phase 1: the trajectory
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def provenance(preset: Preset) -> dict:
+    import platform
+
+    import torch
+
+    from .provenance import code_provenance, machine, versions
+
+    return {"started": _utc_now(), "code": code_provenance(), "versions": versions(), "machine": machine(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": preset.threads,
+            "dtype": "float32 (trainer compute, masters, samplers' forwards)", "torch": torch.__version__,
+            "preset": asdict(preset)}
+
+
+def train(preset: Preset, out: str, log=print) -> str:
+    """The GRPO run that saves the masters; returns its ``masters`` folder (reused when already complete)."""
+    from .protocol import load
+    from .runner import prepare, run_spec, spec_digest, _free_port
+
+    work = os.path.join(out, "run.work")
+    masters = os.path.join(work, "masters")
+    save_at = sorted({0, *preset.times, *(t - preset.lag for t in preset.times)})
+    if all(os.path.isfile(os.path.join(masters, f"step{s}.pt")) for s in save_at):
+        log(f"masters at steps {save_at} already saved in {masters}")
+        return masters
+    proto = load(preset=preset.protocol, steps=preset.steps, eval_every=preset.steps, readouts=False,
+                 threads=preset.threads)
+    model, train_set, heldout, warm = prepare(proto, out, log)
+    spec = run_spec(proto, "fp32-served", preset.seed, model, train_set, heldout, out)
+    spec.update(workdir=work, save_masters=save_at)
+    spec["digest"] = spec_digest(spec)
+    os.makedirs(out, exist_ok=True)
+    spec_path = os.path.join(out, "run.spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    threads = str(preset.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    log(f"training: {preset.steps} steps of {proto.prompts_per_step}x{proto.generations}, lr {proto.lr}, "
+        f"seed {preset.seed}, saving the masters at {save_at}")
+    with open(os.path.join(out, "run.log"), "w") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "faircast_plugins.ab.run_one", spec_path,
+                                 os.path.join(out, "run.json")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        for line in proc.stdout:
+            logf.write(line)
+            logf.flush()
+            if line.startswith("  ["):
+                log(line.rstrip())
+        if proc.wait() != 0:
+            raise RuntimeError(f"the training run failed; see {os.path.join(out, 'run.log')}")
+    return masters
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m faircast_plugins.ab.staleness", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="smoke", choices=sorted(PRESETS))
+    p.add_argument("--out", default="out/staleness")
+    p.add_argument("--phase", default="all", choices=("all", "train", "measure"))
+    p.add_argument("--prompts", type=int, help="prompts per sampler (overrides the preset)")
+    p.add_argument("--samples", type=int, help="completions per prompt (overrides the preset)")
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for k in ("prompts", "samples"):
+        if getattr(args, k) is not None:
+            setattr(preset, k, getattr(args, k))
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t0:7.0f} s] {msg}", flush=True)
+
+    prov_path = os.path.join(args.out, f"provenance-{args.phase}.json")
+    with open(prov_path, "w") as f:
+        json.dump(provenance(preset), f, indent=1)
+    log(f"provenance recorded: {prov_path}")
+    if preset.synthetic:
+        masters = None
+    elif args.phase in ("all", "train"):
+        masters = train(preset, args.out, log)
+    else:
+        masters = os.path.join(args.out, "run.work", "masters")
+    if args.phase in ("all", "measure"):
+        measure(preset, args.out, masters, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,15 +50,16 @@ class Preset:
     name: str
     protocol: str = "smollm2-word2z"   # the A/B preset whose task, warm start and GRPO settings the run uses
     seed: int = 70                     # the trajectory's seed (not one of PROTOCOL-4's 60-63)
-    steps: int = 30
-    times: List[int] = field(default_factory=lambda: [20, 30])
+    steps: int = 20
+    times: List[int] = field(default_factory=lambda: [20, 15])  # measured in this order (the latest first)
     lag: int = 10
     lengths: List[int] = field(default_factory=lambda: [27, 100, 300])
-    prompts: int = 8
+    prompts: int = 4
     samples: int = 8
     sampling_seed: int = 0
     threads: int = 2
-    samplers: List[str] = field(default_factory=lambda: ["master", "rtn", "sr", "stale", "frozen"])
+    #: measured in this order; ``master`` (the control: 0 by construction, the same forward) last
+    samplers: List[str] = field(default_factory=lambda: ["frozen", "stale", "rtn", "sr", "master"])
     #: the smoke preset: a tiny random model and synthetic "masters" instead of a training run
     synthetic: bool = False
 
@@ -161,6 +162,161 @@ def train(preset: Preset, out: str, log=print) -> str:
         if proc.wait() != 0:
             raise RuntimeError(f"the training run failed; see {os.path.join(out, 'run.log')}")
     return masters
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# phase 2: the samplers, drawn and scored in lockstep
+
+
+def sampler_weights(kind: str, masters: Dict[int, Dict], t: int, lag: int, seed: int) -> Optional[Dict]:
+    """The fp32 weights of sampler ``kind`` at time ``t`` (None for ``master``: the learner itself)."""
+    import torch
+
+    from .run_one import readout_copy
+
+    if kind == "master":
+        return None
+    if kind in ("rtn", "sr"):
+        return {n: readout_copy(kind, m, seed, t, n).to(torch.float32) for n, m in masters[t].items()}
+    if kind == "stale":
+        return masters[t - lag]
+    if kind == "frozen":
+        return masters[0]
+    raise ValueError(f"unknown sampler {kind!r}")
+
+
+def lockstep(sampler, learner, prompts: List[List[int]], samples: int, length: int, seed: int,
+             log=None) -> dict:
+    """``samples`` completions of ``length`` tokens per prompt drawn from ``sampler`` (temperature 1, end of sequence
+    ignored), each token scored by ``sampler`` and ``learner`` in the same step. The draws use shared uniforms
+    (inverse CDF of one uniform per row and position from ``seed``): every sampler given the same ``seed`` draws
+    from the same random numbers. Returns per row: the cumulative log-ratio (learner - sampler) after each token
+    and the exact per-position KL(sampler || learner)."""
+    import torch
+
+    rows = [p for p in prompts for _ in range(samples)]
+    B, width = len(rows), max(map(len, rows))
+    ids = torch.zeros(B, width, dtype=torch.long)
+    mask = torch.zeros(B, width, dtype=torch.long)
+    for i, r in enumerate(rows):  # left padded
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    uniforms = torch.rand(B, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    same = learner is sampler
+    out_s = sampler(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    out_l = out_s if same else learner(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    log_ratio = torch.zeros(B, length, dtype=torch.float64)
+    kl = torch.zeros(B, length, dtype=torch.float64)
+    last = pos[:, -1:]
+    start = time.time()
+    for i in range(length):
+        ls = torch.log_softmax(out_s.logits[:, -1].double(), -1)
+        ll = ls if same else torch.log_softmax(out_l.logits[:, -1].double(), -1)
+        ps = ls.exp()
+        cdf = ps.cumsum(-1)
+        tok = torch.searchsorted(cdf, (uniforms[:, i:i + 1] * cdf[:, -1:]).contiguous()).clamp(max=ps.shape[-1] - 1)
+        log_ratio[:, i] = (ll.gather(-1, tok) - ls.gather(-1, tok)).squeeze(-1)
+        kl[:, i] = (ps * (ls - ll)).sum(-1)
+        if i + 1 == length:
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], -1)
+        last = last + 1
+        out_s = sampler(input_ids=tok, attention_mask=mask, position_ids=last, past_key_values=out_s.past_key_values,
+                        use_cache=True)
+        out_l = out_s if same else learner(input_ids=tok, attention_mask=mask, position_ids=last,
+                                           past_key_values=out_l.past_key_values, use_cache=True)
+        if log and (i + 1) % 50 == 0:
+            log(f"    token {i + 1}/{length} ({time.time() - start:.0f} s)")
+    return {"cum_log_ratio": log_ratio.cumsum(-1), "kl": kl}
+
+
+def summarize_draws(draws: dict, lengths: Sequence[int]) -> Dict[int, dict]:
+    """:func:`weight_stats` of the sequence log-ratios at each prefix length, with the mean per-token KL."""
+    out = {}
+    for T in lengths:
+        row = weight_stats(draws["cum_log_ratio"][:, T - 1].tolist())
+        row["kl_per_token"] = float(draws["kl"][:, :T].mean())
+        row["kl_per_token_after_27"] = float(draws["kl"][:, 27:T].mean()) if T > 27 else None
+        out[T] = row
+    return out
+
+
+def _synthetic(preset: Preset):
+    """The smoke preset's stand-ins: a tiny random Qwen3, random prompts, and masters that drift linearly."""
+    import torch
+
+    from .warmstart import WarmStartSpec, build_model
+
+    model = build_model(WarmStartSpec(hidden_size=32, layers=1, heads=2), 64).eval()
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    direction = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in base.items()}
+    masters = {s: {n: (base[n] + 0.02 * s * direction[n]).to(torch.bfloat16).float() + 1e-4 * s * direction[n]
+                   for n in base} for s in range(preset.steps + 1)}
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 64, (5 + i,), generator=gen).tolist() for i in range(preset.prompts)]
+    return model, masters, prompts
+
+
+def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> dict:
+    import copy
+
+    import torch
+
+    from .run_one import load_masters
+
+    torch.set_num_threads(preset.threads)
+    if preset.synthetic:
+        template, masters, prompts = _synthetic(preset)
+        model_dir, run_seed = None, preset.seed
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .scoring import encode
+        from .task import Problem
+
+        with open(os.path.join(out, "run.spec.json")) as f:
+            spec = json.load(f)
+        model_dir, run_seed = spec["model"], int(spec["seed"])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        problems = [Problem(**p) for p in spec["train"][:preset.prompts]]
+        prompts = encode(tokenizer, problems).prompt_ids
+        steps = sorted({0, *preset.times, *(t - preset.lag for t in preset.times)})
+        masters = {s: torch.load(os.path.join(masters_dir, f"step{s}.pt"), map_location="cpu") for s in steps}
+        template = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    learner, sampler = template, copy.deepcopy(template)
+    results = {"preset": asdict(preset), "trl_is": {"mode": TRL_IS_MODE, "cap": TRL_IS_CAP}, "model": model_dir,
+               "run_seed": run_seed, "prompt_lengths": [len(p) for p in prompts], "times": {}}
+    path = os.path.join(out, "results.json")
+    n = len(prompts) * preset.samples
+    for t in preset.times:
+        load_masters(learner, masters[t])
+        results["times"][str(t)] = {}
+        for kind in preset.samplers:
+            t0 = time.time()
+            weights = sampler_weights(kind, masters, t, preset.lag, run_seed)
+            if weights is not None:
+                load_masters(sampler, weights)
+            log(f"t={t} sampler {kind}: {n} completions of {max(preset.lengths)} tokens")
+            with torch.no_grad():
+                draws = lockstep(learner if weights is None else sampler, learner, prompts, preset.samples,
+                                 max(preset.lengths), preset.sampling_seed + t, log)
+            rows = summarize_draws(draws, preset.lengths)
+            results["times"][str(t)][kind] = {
+                "by_length": {str(T): r for T, r in rows.items()},
+                "kl_by_position": draws["kl"].mean(0).tolist(),
+                "log_ratio_at_lengths": {str(T): draws["cum_log_ratio"][:, T - 1].tolist() for T in preset.lengths},
+                "wall_s": time.time() - t0,
+            }
+            for T, r in rows.items():
+                log(f"  T={T:>4}  sd {r['sd_log_ratio']:.3f}  KL/token {r['kl_per_token']:.2e}  ESS/n "
+                    f"{r['ess_fraction']:.3f}  masked {r['masked_fraction']:.3f} (weight {r['masked_weight']:.3f})")
+            results["finished"] = _utc_now()
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(results, f)
+            os.replace(tmp, path)  # written after every sampler: a partial result survives an interruption
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Preset:
     protocol: str = "smollm2-word2z"   # the A/B preset whose task, warm start and GRPO settings the run uses
     seed: int = 70                     # the trajectory's seed (not one of PROTOCOL-4's 60-63)
     steps: int = 20
-    times: List[int] = field(default_factory=lambda: [20, 15])  # measured in this order (the latest first)
+    times: List[int] = field(default_factory=lambda: [10, 20])  # at t = lag the stale sampler is θ_0 (= frozen)
     lag: int = 10
     lengths: List[int] = field(default_factory=lambda: [27, 100, 300])
     prompts: int = 4
@@ -258,6 +258,26 @@ def _synthetic(preset: Preset):
     return model, masters, prompts
 
 
+class _LazyMasters(dict):
+    """The saved masters by step, loaded on first use; waits for a step the training run has not saved yet (the
+    measurement of an early time point overlaps the rest of the run)."""
+
+    def __init__(self, folder: str, log=print):
+        super().__init__()
+        self.folder, self.log = folder, log
+
+    def __missing__(self, step: int):
+        import torch
+
+        path = os.path.join(self.folder, f"step{step}.pt")
+        if not os.path.isfile(path):
+            self.log(f"waiting for the training run to save {path}")
+            while not os.path.isfile(path):
+                time.sleep(10)
+        self[step] = torch.load(path, map_location="cpu")
+        return self[step]
+
+
 def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> dict:
     import copy
 
@@ -275,14 +295,16 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
         from .scoring import encode
         from .task import Problem
 
-        with open(os.path.join(out, "run.spec.json")) as f:
+        spec_path = os.path.join(out, "run.spec.json")
+        while not os.path.isfile(spec_path):  # written by the training phase once its warm start is built
+            time.sleep(10)
+        with open(spec_path) as f:
             spec = json.load(f)
         model_dir, run_seed = spec["model"], int(spec["seed"])
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         problems = [Problem(**p) for p in spec["train"][:preset.prompts]]
         prompts = encode(tokenizer, problems).prompt_ids
-        steps = sorted({0, *preset.times, *(t - preset.lag for t in preset.times)})
-        masters = {s: torch.load(os.path.join(masters_dir, f"step{s}.pt"), map_location="cpu") for s in steps}
+        masters = _LazyMasters(masters_dir, log)
         template = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     learner, sampler = template, copy.deepcopy(template)
     results = {"preset": asdict(preset), "trl_is": {"mode": TRL_IS_MODE, "cap": TRL_IS_CAP}, "model": model_dir,
@@ -294,6 +316,10 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
         results["times"][str(t)] = {}
         for kind in preset.samplers:
             t0 = time.time()
+            if kind == "stale" and t - preset.lag == 0 and "frozen" in results["times"][str(t)]:
+                results["times"][str(t)][kind] = {**results["times"][str(t)]["frozen"], "same_as": "frozen"}
+                log(f"t={t} sampler stale: θ_{t - preset.lag} is the frozen sampler (measured once)")
+                continue
             weights = sampler_weights(kind, masters, t, preset.lag, run_seed)
             if weights is not None:
                 load_masters(sampler, weights)
@@ -347,7 +373,11 @@ def main(argv=None) -> int:
     log(f"provenance recorded: {prov_path}")
     if preset.synthetic:
         masters = None
-    elif args.phase in ("all", "train"):
+    elif args.phase == "all":  # the training run in the background; the measurement waits for each saved step
+        masters = os.path.join(args.out, "run.work", "masters")
+        trainer = __import__("threading").Thread(target=train, args=(preset, args.out, log), daemon=True)
+        trainer.start()
+    elif args.phase == "train":
         masters = train(preset, args.out, log)
     else:
         masters = os.path.join(args.out, "run.work", "masters")

@@ -310,7 +310,7 @@ def run(spec: dict) -> dict:
 
     def llm_for_arm(*args, **kwargs):  # the engine: this run's seed, the arm's dtype, one seed per request
         llm = engine_llm(*args, **{**kwargs, "seed": seed, "dtype": arm.engine_dtype})
-        seed_every_request(llm, seed, lambda: trainer.state.global_step)
+        seed_every_request(llm, seed + arm.rollout_seed_offset, lambda: trainer.state.global_step)
         return llm
 
     vllm_generation.LLM = llm_for_arm

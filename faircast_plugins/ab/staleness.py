@@ -346,6 +346,87 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the report: a table (markdown + JSON) and a plot against length
+
+#: the predictions committed before the measurement (docs/ab/staleness-mechanism/PREDICTION.md), for the frozen
+#: sampler: ab-audit-2's √T extrapolation from stage A, and this measurement's author's
+PREDICTED = {
+    "audit (frozen, √T from σ(27) = 0.6)": {27: {"sd": 0.6, "ess": 0.70, "masked_weight": 0.06},
+                                           100: {"sd": 1.15, "ess": 0.27, "masked_weight": 0.35},
+                                           300: {"sd": 2.0, "ess": 0.02, "masked_weight": 0.67}},
+    "mine (frozen, t = 20)": {27: {"sd": 0.4, "ess": 0.85, "masked_weight": 0.03},
+                              100: {"sd": 0.65, "ess": 0.65, "masked_weight": 0.12},
+                              300: {"sd": 1.0, "ess": 0.35, "masked_weight": 0.30}},
+}
+LABELS = {"master": "θ_t (control)", "rtn": "RTN(θ_t)", "sr": "SR(θ_t), Fair Cast", "stale": "θ_{t-10}",
+          "frozen": "θ_0 (frozen)"}
+
+
+def table_rows(results: dict) -> List[dict]:
+    rows = []
+    for t, by_sampler in results["times"].items():
+        for kind, res in by_sampler.items():
+            for T, r in res["by_length"].items():
+                rows.append({"t": int(t), "sampler": kind, "T": int(T), **{k: v for k, v in r.items()}})
+    return rows
+
+
+def write_report(results: dict, folder: str) -> None:
+    """``table.md``, ``table.json`` and ``lengths.png`` in ``folder`` from a measurement's ``results``."""
+    os.makedirs(folder, exist_ok=True)
+    rows = table_rows(results)
+    with open(os.path.join(folder, "table.json"), "w") as f:
+        json.dump({"rows": rows, "predicted": {k: {str(T): v for T, v in p.items()} for k, p in PREDICTED.items()},
+                   "trl_is": results["trl_is"], "preset": results["preset"], "n_per_cell": rows[0]["n"] if rows
+                   else 0}, f, indent=1)
+    head = ("| t | sampler | T | sd of log-ratio | KL / token | ESS/n | exp(-sd²) | masked (ratio > 3) | "
+            "weight masked | ESS/n after mask | weight truncated at 3 | mean weight |")
+    lines = [head, "|" + " --- |" * 12]
+    for r in rows:
+        lines.append(f"| {r['t']} | {LABELS.get(r['sampler'], r['sampler'])}"
+                     f"{' (= θ_0)' if results['times'][str(r['t'])][r['sampler']].get('same_as') else ''} | "
+                     f"{r['T']} | {r['sd_log_ratio']:.3f} | {r['kl_per_token']:.2e} | {r['ess_fraction']:.3f} | "
+                     f"{r['ess_fraction_lognormal']:.3f} | {r['masked_fraction']:.3f} | {r['masked_weight']:.3f} | "
+                     f"{r['ess_fraction_after_mask']:.3f} | {r['truncated_weight']:.3f} | {r['mean_weight']:.3f} |")
+    with open(os.path.join(folder, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot(results, rows, os.path.join(folder, "lengths.png"))
+
+
+def _plot(results: dict, rows: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = sorted({r["t"] for r in rows})
+    fig, axes = plt.subplots(2, len(times), figsize=(5.5 * len(times), 8), squeeze=False)
+    colors = {"master": "0.6", "rtn": "tab:red", "sr": "tab:green", "stale": "tab:orange", "frozen": "tab:blue"}
+    for j, t in enumerate(times):
+        for kind in LABELS:
+            pts = sorted((r["T"], r) for r in rows if r["t"] == t and r["sampler"] == kind)
+            if not pts:
+                continue
+            Ts = [T for T, _ in pts]
+            axes[0][j].plot(Ts, [r["ess_fraction"] for _, r in pts], "o-", color=colors[kind], label=LABELS[kind])
+            axes[1][j].plot(Ts, [r["sd_log_ratio"] for _, r in pts], "o-", color=colors[kind], label=LABELS[kind])
+        for (name, pred), style in zip(PREDICTED.items(), ("k--", "k:")):
+            Ts = sorted(pred)
+            axes[0][j].plot(Ts, [pred[T]["ess"] for T in Ts], style, label=f"predicted: {name}")
+            axes[1][j].plot(Ts, [pred[T]["sd"] for T in Ts], style, label=f"predicted: {name}")
+        axes[0][j].set(title=f"t = {t}: ESS/n of TRL's sequence weights", xlabel="completion length T (tokens)",
+                       ylabel="ESS / n", xscale="log", ylim=(0, 1.05))
+        axes[1][j].set(title=f"t = {t}: sd of the sequence log-ratio", xlabel="completion length T (tokens)",
+                       ylabel="sd (nats)", xscale="log")
+        axes[0][j].legend(fontsize=7)
+    n = rows[0]["n"] if rows else 0
+    fig.suptitle(f"SmolLM2-135M, word2z GRPO (fp32, lr 3e-6): sampler vs learner θ_t, n = {n} completions per point")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the command line
 
 
@@ -353,7 +434,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m faircast_plugins.ab.staleness", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="smoke", choices=sorted(PRESETS))
     p.add_argument("--out", default="out/staleness")
-    p.add_argument("--phase", default="all", choices=("all", "train", "measure"))
+    p.add_argument("--phase", default="all", choices=("all", "train", "measure", "report"))
+    p.add_argument("--report", help="write table.md, table.json and lengths.png here (default: OUT/report)")
     p.add_argument("--prompts", type=int, help="prompts per sampler (overrides the preset)")
     p.add_argument("--samples", type=int, help="completions per prompt (overrides the preset)")
     args = p.parse_args(argv)
@@ -363,6 +445,12 @@ def main(argv=None) -> int:
             setattr(preset, k, getattr(args, k))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
+    report_dir = args.report or os.path.join(args.out, "report")
+    if args.phase == "report":
+        with open(os.path.join(args.out, "results.json")) as f:
+            write_report(json.load(f), report_dir)
+        print(f"report written to {report_dir}")
+        return 0
 
     def log(msg: str) -> None:
         print(f"[{time.time() - t0:7.0f} s] {msg}", flush=True)
@@ -382,7 +470,8 @@ def main(argv=None) -> int:
     else:
         masters = os.path.join(args.out, "run.work", "masters")
     if args.phase in ("all", "measure"):
-        measure(preset, args.out, masters, log)
+        write_report(measure(preset, args.out, masters, log), report_dir)
+        log(f"report written to {report_dir}")
     return 0
 
 

@@ -438,11 +438,21 @@ def main(argv=None) -> int:
     p.add_argument("--report", help="write table.md, table.json and lengths.png here (default: OUT/report)")
     p.add_argument("--prompts", type=int, help="prompts per sampler (overrides the preset)")
     p.add_argument("--samples", type=int, help="completions per prompt (overrides the preset)")
+    p.add_argument("--times", help="comma-separated steps t to measure at, in order (overrides the preset)")
+    p.add_argument("--samplers", help="comma-separated samplers, in order (overrides the preset): "
+                                      "frozen, stale, rtn, sr, master")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     for k in ("prompts", "samples"):
         if getattr(args, k) is not None:
             setattr(preset, k, getattr(args, k))
+    if args.times:
+        preset.times = [int(x) for x in args.times.split(",")]
+    if args.samplers:
+        preset.samplers = [x.strip() for x in args.samplers.split(",")]
+        unknown = set(preset.samplers) - set(LABELS)
+        if unknown:
+            raise SystemExit(f"unknown sampler(s) {sorted(unknown)}; samplers: {', '.join(LABELS)}")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     report_dir = args.report or os.path.join(args.out, "report")

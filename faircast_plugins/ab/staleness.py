@@ -438,12 +438,14 @@ def main(argv=None) -> int:
     p.add_argument("--report", help="write table.md, table.json and lengths.png here (default: OUT/report)")
     p.add_argument("--prompts", type=int, help="prompts per sampler (overrides the preset)")
     p.add_argument("--samples", type=int, help="completions per prompt (overrides the preset)")
+    p.add_argument("--threads", type=int, help="torch threads (overrides the preset; 1 on a shared machine: "
+                                               "OpenMP threads spin while others wait for a core)")
     p.add_argument("--times", help="comma-separated steps t to measure at, in order (overrides the preset)")
     p.add_argument("--samplers", help="comma-separated samplers, in order (overrides the preset): "
                                       "frozen, stale, rtn, sr, master")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
-    for k in ("prompts", "samples"):
+    for k in ("prompts", "samples", "threads"):
         if getattr(args, k) is not None:
             setattr(preset, k, getattr(args, k))
     if args.times:

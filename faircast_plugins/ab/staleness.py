@@ -131,7 +131,8 @@ def train(preset: Preset, out: str, log=print) -> str:
 
     work = os.path.join(out, "run.work")
     masters = os.path.join(work, "masters")
-    save_at = sorted({0, *preset.times, *(t - preset.lag for t in preset.times)})
+    # every 5 steps besides the preset's own: a slow machine can fall back to an earlier t
+    save_at = sorted({0, *preset.times, *(t - preset.lag for t in preset.times), *range(0, preset.steps + 1, 5)})
     if all(os.path.isfile(os.path.join(masters, f"step{s}.pt")) for s in save_at):
         log(f"masters at steps {save_at} already saved in {masters}")
         return masters
@@ -186,12 +187,13 @@ def sampler_weights(kind: str, masters: Dict[int, Dict], t: int, lag: int, seed:
 
 
 def lockstep(sampler, learner, prompts: List[List[int]], samples: int, length: int, seed: int,
-             log=None) -> dict:
+             log=None, at_lengths: Sequence[int] = (), on_length=None) -> dict:
     """``samples`` completions of ``length`` tokens per prompt drawn from ``sampler`` (temperature 1, end of sequence
     ignored), each token scored by ``sampler`` and ``learner`` in the same step. The draws use shared uniforms
     (inverse CDF of one uniform per row and position from ``seed``): every sampler given the same ``seed`` draws
     from the same random numbers. Returns per row: the cumulative log-ratio (learner - sampler) after each token
-    and the exact per-position KL(sampler || learner)."""
+    and the exact per-position KL(sampler || learner). ``on_length(T, draws)`` is called when the completions reach
+    each length of ``at_lengths`` (a partial result survives an interruption)."""
     import torch
 
     rows = [p for p in prompts for _ in range(samples)]
@@ -218,6 +220,8 @@ def lockstep(sampler, learner, prompts: List[List[int]], samples: int, length: i
         tok = torch.searchsorted(cdf, (uniforms[:, i:i + 1] * cdf[:, -1:]).contiguous()).clamp(max=ps.shape[-1] - 1)
         log_ratio[:, i] = (ll.gather(-1, tok) - ls.gather(-1, tok)).squeeze(-1)
         kl[:, i] = (ps * (ls - ll)).sum(-1)
+        if on_length is not None and i + 1 in at_lengths:
+            on_length(i + 1, {"cum_log_ratio": log_ratio[:, :i + 1].cumsum(-1), "kl": kl[:, :i + 1]})
         if i + 1 == length:
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], -1)
@@ -324,24 +328,28 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
             if weights is not None:
                 load_masters(sampler, weights)
             log(f"t={t} sampler {kind}: {n} completions of {max(preset.lengths)} tokens")
-            with torch.no_grad():
-                draws = lockstep(learner if weights is None else sampler, learner, prompts, preset.samples,
-                                 max(preset.lengths), preset.sampling_seed + t, log)
-            rows = summarize_draws(draws, preset.lengths)
-            results["times"][str(t)][kind] = {
-                "by_length": {str(T): r for T, r in rows.items()},
-                "kl_by_position": draws["kl"].mean(0).tolist(),
-                "log_ratio_at_lengths": {str(T): draws["cum_log_ratio"][:, T - 1].tolist() for T in preset.lengths},
-                "wall_s": time.time() - t0,
-            }
-            for T, r in rows.items():
+
+            def record(T: int, draws: dict, t=t, kind=kind, t0=t0) -> None:
+                done = [L for L in preset.lengths if L <= T]
+                rows = summarize_draws(draws, done)
+                results["times"][str(t)][kind] = {
+                    "by_length": {str(L): r for L, r in rows.items()},
+                    "kl_by_position": draws["kl"].mean(0).tolist(),
+                    "log_ratio_at_lengths": {str(L): draws["cum_log_ratio"][:, L - 1].tolist() for L in done},
+                    "complete": T == max(preset.lengths), "wall_s": time.time() - t0,
+                }
+                r = rows[T]
                 log(f"  T={T:>4}  sd {r['sd_log_ratio']:.3f}  KL/token {r['kl_per_token']:.2e}  ESS/n "
                     f"{r['ess_fraction']:.3f}  masked {r['masked_fraction']:.3f} (weight {r['masked_weight']:.3f})")
-            results["finished"] = _utc_now()
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(results, f)
-            os.replace(tmp, path)  # written after every sampler: a partial result survives an interruption
+                results["finished"] = _utc_now()
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(results, f)
+                os.replace(tmp, path)  # written at every length: a partial result survives an interruption
+
+            with torch.no_grad():
+                lockstep(learner if weights is None else sampler, learner, prompts, preset.samples,
+                         max(preset.lengths), preset.sampling_seed + t, log, preset.lengths, record)
     return results
 
 

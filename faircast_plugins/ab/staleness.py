@@ -379,12 +379,14 @@ def table_rows(results: dict) -> List[dict]:
     return rows
 
 
-def write_report(results: dict, folder: str) -> None:
-    """``table.md``, ``table.json`` and ``lengths.png`` in ``folder`` from a measurement's ``results``."""
+def write_report(results: dict, folder: str, predicted: Optional[dict] = None, title: str = "") -> None:
+    """``table.md``, ``table.json`` and ``lengths.png`` in ``folder`` from a measurement's ``results``, with
+    ``predicted`` (default :data:`PREDICTED`; ``{}`` for none) drawn beside the measurement."""
+    predicted = PREDICTED if predicted is None else predicted
     os.makedirs(folder, exist_ok=True)
     rows = table_rows(results)
     with open(os.path.join(folder, "table.json"), "w") as f:
-        json.dump({"rows": rows, "predicted": {k: {str(T): v for T, v in p.items()} for k, p in PREDICTED.items()},
+        json.dump({"rows": rows, "predicted": {k: {str(T): v for T, v in p.items()} for k, p in predicted.items()},
                    "trl_is": results["trl_is"], "preset": results["preset"], "n_per_cell": rows[0]["n"] if rows
                    else 0}, f, indent=1)
     head = ("| t | sampler | T | sd of log-ratio | KL / token | ESS/n | exp(-sd²) | masked (ratio > 3) | "
@@ -398,10 +400,10 @@ def write_report(results: dict, folder: str) -> None:
                      f"{r['ess_fraction_after_mask']:.3f} | {r['truncated_weight']:.3f} | {r['mean_weight']:.3f} |")
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    _plot(results, rows, os.path.join(folder, "lengths.png"))
+    _plot(results, rows, os.path.join(folder, "lengths.png"), predicted, title)
 
 
-def _plot(results: dict, rows: List[dict], path: str) -> None:
+def _plot(results: dict, rows: List[dict], path: str, predicted: dict, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -418,7 +420,7 @@ def _plot(results: dict, rows: List[dict], path: str) -> None:
             Ts = [T for T, _ in pts]
             axes[0][j].plot(Ts, [r["ess_fraction"] for _, r in pts], "o-", color=colors[kind], label=LABELS[kind])
             axes[1][j].plot(Ts, [r["sd_log_ratio"] for _, r in pts], "o-", color=colors[kind], label=LABELS[kind])
-        for (name, pred), style in zip(PREDICTED.items(), ("k--", "k:")):
+        for (name, pred), style in zip(predicted.items(), ("k--", "k:")):
             Ts = sorted(pred)
             axes[0][j].plot(Ts, [pred[T]["ess"] for T in Ts], style, label=f"predicted: {name}")
             axes[1][j].plot(Ts, [pred[T]["sd"] for T in Ts], style, label=f"predicted: {name}")
@@ -428,7 +430,8 @@ def _plot(results: dict, rows: List[dict], path: str) -> None:
                        ylabel="sd (nats)", xscale="log")
         axes[0][j].legend(fontsize=7)
     n = rows[0]["n"] if rows else 0
-    fig.suptitle(f"SmolLM2-135M, word2z GRPO (fp32, lr 3e-6): sampler vs learner θ_t, n = {n} completions per point")
+    fig.suptitle(title or f"SmolLM2-135M, word2z GRPO (fp32, lr 3e-6): sampler vs learner θ_t, n = {n} completions "
+                          f"per point")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -389,15 +389,15 @@ def write_report(results: dict, folder: str, predicted: Optional[dict] = None, t
         json.dump({"rows": rows, "predicted": {k: {str(T): v for T, v in p.items()} for k, p in predicted.items()},
                    "trl_is": results["trl_is"], "preset": results["preset"], "n_per_cell": rows[0]["n"] if rows
                    else 0}, f, indent=1)
-    head = ("| t | sampler | T | sd of log-ratio | KL / token | ESS/n | exp(-sd²) | masked (ratio > 3) | "
-            "weight masked | ESS/n after mask | weight truncated at 3 | mean weight |")
-    lines = [head, "|" + " --- |" * 12]
+    head = ("| t | sampler | T | mean log-ratio | sd of log-ratio | KL / token | ESS/n | exp(-sd²) | masked (ratio > 3) "
+            "| weight masked | ESS/n after mask | weight truncated at 3 | mean weight |")
+    lines = [head, "|" + " --- |" * 13]
     for r in rows:
         lines.append(f"| {r['t']} | {LABELS.get(r['sampler'], r['sampler'])}"
                      f"{' (= θ_0)' if results['times'][str(r['t'])][r['sampler']].get('same_as') else ''} | "
-                     f"{r['T']} | {r['sd_log_ratio']:.3f} | {r['kl_per_token']:.2e} | {r['ess_fraction']:.3f} | "
+                     f"{r['T']} | {r['mean_log_ratio']:.3f} | {r['sd_log_ratio']:.3f} | {r['kl_per_token']:.2e} | {r['ess_fraction']:.3f} | "
                      f"{r['ess_fraction_lognormal']:.3f} | {r['masked_fraction']:.3f} | {r['masked_weight']:.3f} | "
-                     f"{r['ess_fraction_after_mask']:.3f} | {r['truncated_weight']:.3f} | {r['mean_weight']:.3f} |")
+                     f"{r['ess_fraction_after_mask']:.3f} | {r['truncated_weight']:.3f} | {r['mean_weight']:.3g} |")
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     _plot(results, rows, os.path.join(folder, "lengths.png"), predicted, title)

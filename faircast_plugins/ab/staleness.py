@@ -410,7 +410,8 @@ def _plot(results: dict, rows: List[dict], path: str, predicted: dict, title: st
     import matplotlib.pyplot as plt
 
     times = sorted({r["t"] for r in rows})
-    fig, axes = plt.subplots(2, len(times), figsize=(5.5 * len(times), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(times), figsize=(max(9, 5.5 * len(times)), 8), squeeze=False)
+    lengths = sorted({r["T"] for r in rows})
     colors = {"master": "0.6", "rtn": "tab:red", "sr": "tab:green", "stale": "tab:orange", "frozen": "tab:blue"}
     for j, t in enumerate(times):
         for kind in LABELS:
@@ -428,10 +429,16 @@ def _plot(results: dict, rows: List[dict], path: str, predicted: dict, title: st
                        ylabel="ESS / n", xscale="log", ylim=(0, 1.05))
         axes[1][j].set(title=f"t = {t}: sd of the sequence log-ratio", xlabel="completion length T (tokens)",
                        ylabel="sd (nats)", xscale="log")
+        n = rows[0]["n"] if rows else 0
+        axes[0][j].axhline(1 / max(n, 1), color="0.8", lw=0.8, label=f"1/n (one sequence carries all, n = {n})")
+        for ax in axes[:, j]:
+            ax.set_xticks(lengths)
+            ax.set_xticklabels([str(T) for T in lengths])
+            ax.minorticks_off()
         axes[0][j].legend(fontsize=7)
     n = rows[0]["n"] if rows else 0
     fig.suptitle(title or f"SmolLM2-135M, word2z GRPO (fp32, lr 3e-6): sampler vs learner θ_t, n = {n} completions "
-                          f"per point")
+                          f"per point", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

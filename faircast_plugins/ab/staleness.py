@@ -210,6 +210,7 @@ def lockstep(sampler, learner, prompts: List[List[int]], samples: int, length: i
     out_l = out_s if same else learner(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     log_ratio = torch.zeros(B, length, dtype=torch.float64)
     kl = torch.zeros(B, length, dtype=torch.float64)
+    tokens = torch.zeros(B, length, dtype=torch.long)
     last = pos[:, -1:]
     start = time.time()
     for i in range(length):
@@ -218,10 +219,12 @@ def lockstep(sampler, learner, prompts: List[List[int]], samples: int, length: i
         ps = ls.exp()
         cdf = ps.cumsum(-1)
         tok = torch.searchsorted(cdf, (uniforms[:, i:i + 1] * cdf[:, -1:]).contiguous()).clamp(max=ps.shape[-1] - 1)
+        tokens[:, i] = tok.squeeze(-1)
         log_ratio[:, i] = (ll.gather(-1, tok) - ls.gather(-1, tok)).squeeze(-1)
         kl[:, i] = (ps * (ls - ll)).sum(-1)
         if on_length is not None and i + 1 in at_lengths:
-            on_length(i + 1, {"cum_log_ratio": log_ratio[:, :i + 1].cumsum(-1), "kl": kl[:, :i + 1]})
+            on_length(i + 1, {"cum_log_ratio": log_ratio[:, :i + 1].cumsum(-1), "kl": kl[:, :i + 1],
+                              "tokens": tokens[:, :i + 1]})
         if i + 1 == length:
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], -1)
@@ -232,14 +235,27 @@ def lockstep(sampler, learner, prompts: List[List[int]], samples: int, length: i
                                            past_key_values=out_l.past_key_values, use_cache=True)
         if log and (i + 1) % 50 == 0:
             log(f"    token {i + 1}/{length} ({time.time() - start:.0f} s)")
-    return {"cum_log_ratio": log_ratio.cumsum(-1), "kl": kl}
+    return {"cum_log_ratio": log_ratio.cumsum(-1), "kl": kl, "tokens": tokens}
 
 
-def summarize_draws(draws: dict, lengths: Sequence[int]) -> Dict[int, dict]:
-    """:func:`weight_stats` of the sequence log-ratios at each prefix length, with the mean per-token KL."""
+def summarize_draws(draws: dict, lengths: Sequence[int], eos: Sequence[int] = ()) -> Dict[int, dict]:
+    """:func:`weight_stats` of the sequence log-ratios at each prefix length, with the mean per-token KL; with
+    ``eos`` token ids and the drawn ``tokens``, also ``stop_at_eos``: the same for completions that end at their first
+    end-of-sequence token within T (what a rollout with ``max_tokens`` T returns and TRL weighs)."""
+    import torch
+
     out = {}
     for T in lengths:
         row = weight_stats(draws["cum_log_ratio"][:, T - 1].tolist())
+        if eos and "tokens" in draws:
+            toks = draws["tokens"][:, :T]
+            hit = torch.zeros_like(toks, dtype=torch.bool)
+            for e in eos:
+                hit |= toks == e
+            first = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full((toks.shape[0],), T - 1))
+            stopped = draws["cum_log_ratio"][:, :T].gather(-1, first[:, None]).squeeze(-1)
+            row["stop_at_eos"] = {**weight_stats(stopped.tolist()), "mean_length": float((first + 1).double().mean()),
+                                  "ended": float(hit.any(-1).double().mean())}
         row["kl_per_token"] = float(draws["kl"][:, :T].mean())
         row["kl_per_token_after_27"] = float(draws["kl"][:, 27:T].mean()) if T > 27 else None
         out[T] = row
@@ -292,6 +308,7 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
     torch.set_num_threads(preset.threads)
     if preset.synthetic:
         template, masters, prompts = _synthetic(preset)
+        eos = [0]
         model_dir, run_seed = None, preset.seed
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -310,6 +327,8 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
         prompts = encode(tokenizer, problems).prompt_ids
         masters = _LazyMasters(masters_dir, log)
         template = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        eos = template.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
     learner, sampler = template, copy.deepcopy(template)
     results = {"preset": asdict(preset), "trl_is": {"mode": TRL_IS_MODE, "cap": TRL_IS_CAP}, "model": model_dir,
                "run_seed": run_seed, "prompt_lengths": [len(p) for p in prompts], "times": {}}
@@ -331,16 +350,22 @@ def measure(preset: Preset, out: str, masters_dir: Optional[str], log=print) -> 
 
             def record(T: int, draws: dict, t=t, kind=kind, t0=t0) -> None:
                 done = [L for L in preset.lengths if L <= T]
-                rows = summarize_draws(draws, done)
+                rows = summarize_draws(draws, done, eos)
                 results["times"][str(t)][kind] = {
                     "by_length": {str(L): r for L, r in rows.items()},
                     "kl_by_position": draws["kl"].mean(0).tolist(),
                     "log_ratio_at_lengths": {str(L): draws["cum_log_ratio"][:, L - 1].tolist() for L in done},
+                    "tokens": draws["tokens"].tolist(),
                     "complete": T == max(preset.lengths), "wall_s": time.time() - t0,
                 }
                 r = rows[T]
                 log(f"  T={T:>4}  sd {r['sd_log_ratio']:.3f}  KL/token {r['kl_per_token']:.2e}  ESS/n "
                     f"{r['ess_fraction']:.3f}  masked {r['masked_fraction']:.3f} (weight {r['masked_weight']:.3f})")
+                if "stop_at_eos" in r:
+                    e = r["stop_at_eos"]
+                    log(f"         stopped at end of sequence (mean length {e['mean_length']:.1f}, {e['ended']:.0%} "
+                        f"ended): sd {e['sd_log_ratio']:.3f}  ESS/n {e['ess_fraction']:.3f}  masked "
+                        f"{e['masked_fraction']:.3f} (weight {e['masked_weight']:.3f})")
                 results["finished"] = _utc_now()
                 tmp = path + ".tmp"
                 with open(tmp, "w") as f:

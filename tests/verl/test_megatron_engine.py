@@ -1,8 +1,10 @@
 """verl 0.9.1's MegatronEngine with Fair Cast on megatron-core 0.16.1 (CPU, gloo): activation as the worker does it,
 verl's own ``optimizer_step``, the served params == fair_cast(master), state written and read with verl's checkpoints.
 
-verl's ``MegatronEngine.initialize`` needs megatron-bridge 0.5.2 (not on PyPI), so the engine gets the model and
-optimizer that tests/megatron/worker.py builds; everything after that is verl's code and Fair Cast's.
+Here, in tests-verl's virtualenv (no megatron-bridge), the engine gets the model and optimizer that
+tests/megatron/worker.py builds; everything after that is verl's code and Fair Cast's. The whole engine, from
+``initialize()`` through megatron-bridge 0.5.1 to verl's own export, runs in tests-megatron
+(tests/megatron/test_verl_engine.py).
 """
 from __future__ import annotations
 

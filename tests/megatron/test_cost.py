@@ -177,3 +177,21 @@ def test_attach_draws_no_random_numbers():
     emap = build_element_map(key, conv.qkv(4, 2, "q", "k", "v"))
     assert torch.equal(torch.get_rng_state(), before)
     assert len(emap.runs) == 6
+
+
+@pytest.mark.parametrize("dim, stride", [(0, 1), (0, 2), (1, 1)])
+def test_local_runs_are_exact_above_2_to_the_31(dim, stride):
+    """A 151936 x 57344 full tensor (8.7e9 elements) at TP rank 1 of 2 (4.4e9 local): the runs of a range past 2**32
+    local elements equal the per-element reference, computed without materialising the tensor."""
+    from faircast_plugins.megatron.layout import ParamKey
+    from faircast_plugins.megatron.runs import local_runs
+
+    full = (151936, 57344)
+    local = tuple(s // 2 if d == dim else s for d, s in enumerate(full))
+    key = ParamKey("w", local, tp_size=2, tp_rank=1, partition_dim=dim, stride=stride)
+    assert key.numel > 2**32
+    start = key.numel - 3 * local[1] - 17  # the last rows, past 2**31 local elements
+    runs = local_runs(key, start, key.numel)
+    expanded = torch.cat([torch.arange(f, f + n) for _, f, n in runs.tolist()])
+    assert runs[:, 0].tolist()[0] == 0 and int(runs[:, 2].sum()) == key.numel - start
+    assert torch.equal(expanded, key.indices(start, key.numel)) and int(expanded.max()) > 2**32

@@ -24,7 +24,7 @@ from tests.megatron.test_megatron import _free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-WS1 = ["on", "off", "resume", "moe", "param_offload", "param_offload_off", "optimizer_offload"]
+WS1 = ["on", "off", "resume", "resume_ef", "moe", "param_offload", "param_offload_off", "optimizer_offload"]
 WS2 = ["dp2", "dp2_off", "tp2", "tp2_off", "pp2", "dp2_overlap"]
 
 
@@ -122,6 +122,7 @@ def test_resume_through_verls_checkpoint_manager_continues_the_weight_version(ws
     assert res["loaded_version"] == 1 and res["version"] == 2 and res["state_differs"] == [], res
     assert res["loaded_masters_differ"] == [], "verl's load did not restore the saved fp32 masters"
     assert res["after_load"]["mismatches"] == [] and res["after_load"]["differs_from_rtn"] == LLAMA_TENSORS, res["after_load"]
+    assert res["after_load"]["differs_from_saved"] == [], "the load left another served copy than the saved run served"
     assert res["check"]["mismatches"] == [] and res["check"]["differs_from_rtn"] == LLAMA_TENSORS, res["check"]
 
 
@@ -136,6 +137,21 @@ def test_resume_serves_the_uninterrupted_runs_bits(ws1):
     assert res["shared_step_states"] and all(n == 15 for n in res["shared_step_states"]), res["shared_step_states"]
     assert res["masters_differ"] == [], f"step 2 after verl's load moved the fp32 masters differently: {res['masters_differ']}"
     assert res["mismatches"] == [] and res["tensors"] == LLAMA_TENSORS, res
+
+
+def test_error_feedback_resume_through_verls_checkpoint_manager_is_bit_exact(ws1):
+    """mode=error_feedback (per-rank residuals and served copies in Fair Cast's state file): after verl's load the state
+    equals the saved one bit for bit, the served copy is the one served before the save, and step 2's masters and
+    export are the uninterrupted run's, bit for bit (its reference needs the run's state, so no ``faircast export``
+    check here)."""
+    (r,) = _ranks(ws1, "resume_ef")
+    res = r["resume"]
+    assert r["version"] == 1 and r["differs_from_rtn"] == 0, r  # no residual before the first cast: round-to-nearest
+    assert res["state_files"] == ["faircast_state_rank00000.pt"], res
+    assert res["loaded_version"] == 1 and res["version"] == 2 and res["state_differs"] == [], res
+    assert res["after_load"]["differs_from_saved"] == [], res["after_load"]
+    assert res["masters_differ"] == [] and res["mismatches"] == [] and res["tensors"] == LLAMA_TENSORS, res
+    assert res["check"]["differs_from_rtn"] == LLAMA_TENSORS, "step 2 served round-to-nearest: residuals not applied"
 
 
 def test_qwen3_moe_export_is_faircast_export_of_the_hf_master(ws1):

@@ -121,8 +121,9 @@ def test_resume_through_verls_checkpoint_manager_continues_the_weight_version(ws
     assert res["state_files"] == ["faircast_state_rank00000.pt"], res
     assert res["loaded_version"] == 1 and res["version"] == 2 and res["state_differs"] == [], res
     assert res["loaded_masters_differ"] == [], "verl's load did not restore the saved fp32 masters"
-    assert res["after_load"]["mismatches"] == [] and res["after_load"]["differs_from_rtn"] == LLAMA_TENSORS, res["after_load"]
-    assert res["after_load"]["differs_from_saved"] == [], "the load left another served copy than the saved run served"
+    after = res["after_load"]
+    assert after["mismatches"] == [] and after["differs_from_rtn"] == LLAMA_TENSORS, after
+    assert after["differs_from_saved"] == [], "the load left another served copy than the saved run served"
     assert res["check"]["mismatches"] == [] and res["check"]["differs_from_rtn"] == LLAMA_TENSORS, res["check"]
 
 
@@ -130,12 +131,12 @@ def test_resume_serves_the_uninterrupted_runs_bits(ws1):
     """The resumed step-2 masters and export equal the uninterrupted run's, bit for bit. On this CPU setup (no apex or
     TransformerEngine) megatron-core's load gives all torch Adam states one shared ``step`` tensor, which Adam then
     advances once per parameter (steps 2..16 instead of 2; Fair Cast off alike): the stand-in gives each state its own
-    (tests/megatron/verl_stand_ins.py ``_one_step_per_state_after_load``). Its count shows the upstream code it stands in
-    for is still there: when megatron-core no longer shares the tensor, the stand-in goes."""
+    (``verl_stand_ins._one_step_per_state_after_load``). Its count shows the upstream code it stands in for is still
+    there: when megatron-core no longer shares the tensor, the stand-in goes."""
     (r,) = _ranks(ws1, "resume")
     res = r["resume"]
     assert res["shared_step_states"] and all(n == 15 for n in res["shared_step_states"]), res["shared_step_states"]
-    assert res["masters_differ"] == [], f"step 2 after verl's load moved the fp32 masters differently: {res['masters_differ']}"
+    assert res["masters_differ"] == [], f"step 2 after the load moved other fp32 masters: {res['masters_differ']}"
     assert res["mismatches"] == [] and res["tensors"] == LLAMA_TENSORS, res
 
 

@@ -173,7 +173,8 @@ def compare(engine, served, version, faircast, mode="stochastic"):
     for name, s in served.items():
         rtn = masters[name].to(torch.bfloat16)
         want = fair[name] if reference else None if faircast else rtn
-        if want is not None and (s.dtype != torch.bfloat16 or s.shape != want.shape or not torch.equal(bits(want), bits(s))):
+        if want is not None and (s.dtype != torch.bfloat16 or s.shape != want.shape
+                                 or not torch.equal(bits(want), bits(s))):
             mismatches.append(name)
         differs_from_rtn += int(s.shape == rtn.shape and not torch.equal(bits(rtn), bits(s)))
     return {"tensors": len(served), "names": sorted(served), "missing": sorted(set(masters) - set(served)),
@@ -206,8 +207,9 @@ def resume(engine, fc, models_dir, opts, config, served):
     """Save through verl's checkpoint manager after step 1, take step 2; a fresh engine loads the checkpoint and
     takes step 2 again: verl's exports must be identical, bit for bit (weight version 2 both times). Also what the
     fresh engine holds after the load, before its step: the exported (served) copy against the one ``served`` before
-    the save and against ``faircast export`` of the loaded master at version 1, Fair Cast's state against the saved one, and how many torch Adam states megatron-core's
-    load left sharing one ``step`` tensor (the stand-in gives each its own unless ``shared_step``)."""
+    the save and against ``faircast export`` of the loaded master at version 1, Fair Cast's state against the saved
+    one, and how many torch Adam states megatron-core's load left sharing one ``step`` tensor (the stand-in gives each
+    its own unless ``shared_step``)."""
     ckpt = os.path.join(tempfile.gettempdir(), f"faircast_verl_ckpt_{os.environ.get('MASTER_PORT', '0')}")
     if dist.get_rank() == 0:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -253,6 +255,9 @@ def resume(engine, fc, models_dir, opts, config, served):
         from faircast_plugins.megatron import remove_megatron_patch
 
         remove_megatron_patch(again.optimizer)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)
     return {"state_files": files, "loaded_version": loaded_version, "version": fc2.caster.version if faircast else None,
             "mismatches": diff, "masters_differ": masters_differ, "loaded_masters_differ": loaded_differ,
             "tensors": len(want), "check": check, "after_load": after_load, "state_differs": state_differs,
@@ -268,9 +273,13 @@ def _state_differs(saved, loaded):
             else:
                 yield f"{prefix}{k}", v
 
+    def same(x, y):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            raw = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+            return x.dtype == y.dtype and x.shape == y.shape and torch.equal(raw(x), raw(y))
+        return x == y
+
     a, b = dict(flat(saved)), dict(flat(loaded))
-    same = lambda x, y: (torch.equal(x.cpu(), y.cpu()) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)  # noqa: E731
-                         else x == y)
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same(a[k], b[k]))
 
 

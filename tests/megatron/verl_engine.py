@@ -14,6 +14,7 @@ equal round-to-nearest of the same masters. Rank 0 writes ``{scenario: [result p
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -46,6 +47,11 @@ SCENARIOS = {
     "resume": dict(resume=True), "param_offload": dict(param_offload=True), "param_offload_off": dict(param_offload=True, faircast=False),
     "optimizer_offload": dict(optimizer_offload=True), "moe": dict(moe=True),
     "dp2_overlap": dict(overlap=True),
+    # by hand (not in CI): the resume with Fair Cast off, and both without the stand-in that gives each torch Adam
+    # state its own ``step`` after megatron-core's load (verl_stand_ins._one_step_per_state_after_load)
+    "resume_ef": dict(resume=True, mode="error_feedback"),  # its residuals through verl's checkpoint manager
+    "resume_off": dict(resume=True, faircast=False), "resume_shared_step": dict(resume=True, shared_step=True),
+    "resume_off_shared_step": dict(resume=True, faircast=False, shared_step=True),
 }
 
 
@@ -149,43 +155,47 @@ def hf_masters(engine):
     return out
 
 
-def compare(engine, served, version, faircast):
-    """The served HF tensors against ``faircast export`` of the HF checkpoint of the masters (on) or RTN (off)."""
+def compare(engine, served, version, faircast, mode="stochastic"):
+    """The served HF tensors against ``faircast export`` of the HF checkpoint of the masters (on) or RTN (off).
+    Other modes than stochastic: ``mismatches`` is None (the reference needs the run's state), the rest as usual."""
     from safetensors.torch import save_file
 
     masters = hf_masters(engine)
     ckpt = tempfile.mkdtemp(prefix=f"faircast_verl_hf_master_r{dist.get_rank()}_")
     try:
         save_file({n: t.contiguous() for n, t in masters.items()}, os.path.join(ckpt, "model.safetensors"))
-        fair = dict(iter_served(ckpt, seed=SEED, version=version, mode="stochastic")) if faircast else {}
+        reference = faircast and mode == "stochastic"
+        fair = dict(iter_served(ckpt, seed=SEED, version=version, mode="stochastic")) if reference else {}
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     mismatches, differs_from_rtn = [], 0
     for name, s in served.items():
         rtn = masters[name].to(torch.bfloat16)
-        want = fair[name] if faircast else rtn
-        if s.dtype != torch.bfloat16 or s.shape != want.shape or not torch.equal(bits(want), bits(s)):
+        want = fair[name] if reference else None if faircast else rtn
+        if want is not None and (s.dtype != torch.bfloat16 or s.shape != want.shape
+                                 or not torch.equal(bits(want), bits(s))):
             mismatches.append(name)
         differs_from_rtn += int(s.shape == rtn.shape and not torch.equal(bits(rtn), bits(s)))
     return {"tensors": len(served), "names": sorted(served), "missing": sorted(set(masters) - set(served)),
-            "mismatches": mismatches, "differs_from_rtn": differs_from_rtn}
+            "mismatches": mismatches if reference or not faircast else None, "differs_from_rtn": differs_from_rtn}
 
 
 def run(name, models_dir):
     opts = SCENARIOS[name]
     faircast = opts.get("faircast", True)
     engine = build_engine(models_dir, opts)
-    fc = verl_megatron.activate(engine, FairCastConfig(enabled=True, seed=SEED)) if faircast else None
+    config = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"))
+    fc = verl_megatron.activate(engine, config) if faircast else None
     out = {"coords": {"tp": mpu.get_tensor_model_parallel_rank(), "pp": mpu.get_pipeline_model_parallel_rank(),
                       "dp": mpu.get_data_parallel_rank()}, "bridge": type(engine.bridge).__name__}
     out["losses"] = train(engine, [0])
     served = exported(engine)
     version = fc.caster.version if fc else None
-    out.update(version=version, **compare(engine, served, 1, faircast))
+    out.update(version=version, **compare(engine, served, 1, faircast, config.mode))
     if opts.get("resume"):
-        out["resume"] = resume(engine, fc, models_dir, opts)
-    if fc is not None:
+        out["resume"] = resume(engine, fc, models_dir, opts, config, served)  # it detaches Fair Cast from both engines
+    elif fc is not None:
         verl_megatron.PATCHES.remove()
         from faircast_plugins.megatron import remove_megatron_patch
 
@@ -193,38 +203,84 @@ def run(name, models_dir):
     return out
 
 
-def resume(engine, fc, models_dir, opts):
+def resume(engine, fc, models_dir, opts, config, served):
     """Save through verl's checkpoint manager after step 1, take step 2; a fresh engine loads the checkpoint and
-    takes step 2 again: verl's exports must be identical, bit for bit (weight version 2 both times)."""
+    takes step 2 again: verl's exports must be identical, bit for bit (weight version 2 both times). Also what the
+    fresh engine holds after the load, before its step: the exported (served) copy against the one ``served`` before
+    the save and against ``faircast export`` of the loaded master at version 1, Fair Cast's state against the saved
+    one, and how many torch Adam states megatron-core's load left sharing one ``step`` tensor (the stand-in gives each
+    its own unless ``shared_step``)."""
     ckpt = os.path.join(tempfile.gettempdir(), f"faircast_verl_ckpt_{os.environ.get('MASTER_PORT', '0')}")
     if dist.get_rank() == 0:
         shutil.rmtree(ckpt, ignore_errors=True)
     dist.barrier()
+    faircast = fc is not None
     engine.save_checkpoint(ckpt, global_step=1)
     saved_masters = hf_masters(engine)
+    saved_state = copy.deepcopy(fc.caster.state_dict()) if faircast else None
     files = sorted(f for f in os.listdir(ckpt) if f.startswith("faircast_state_rank"))
     train(engine, [1])
     want = exported(engine)
     want_masters = hf_masters(engine)
-    verl_megatron.PATCHES.remove()
-    from faircast_plugins.megatron import remove_megatron_patch
+    if faircast:
+        verl_megatron.PATCHES.remove()
+        from faircast_plugins.megatron import remove_megatron_patch
 
-    remove_megatron_patch(engine.optimizer)
-    again = build_engine(models_dir, opts)
-    fc2 = verl_megatron.activate(again, FairCastConfig(enabled=True, seed=SEED))
-    again.load_checkpoint(ckpt)
-    loaded_version = fc2.caster.version
-    loaded = hf_masters(again)  # the fp32 masters verl's load restored (== the saved ones if the load is exact)
-    loaded_differ = [n for n in saved_masters if not torch.equal(saved_masters[n], loaded[n])]
-    train(again, [1])
+        remove_megatron_patch(engine.optimizer)
+    verl_stand_ins.SPLIT_SHARED_STEP = not opts.get("shared_step")
+    try:
+        again = build_engine(models_dir, opts)
+        fc2 = verl_megatron.activate(again, config) if faircast else None
+        del verl_stand_ins.SHARED_STEP_STATES[:]
+        again.load_checkpoint(ckpt)
+        shared_step_states = list(verl_stand_ins.SHARED_STEP_STATES)
+        loaded_version = fc2.caster.version if faircast else None
+        state_differs = _state_differs(saved_state, fc2.caster.state_dict()) if faircast else []
+        loaded = hf_masters(again)  # the fp32 masters verl's load restored (== the saved ones if the load is exact)
+        loaded_differ = [n for n in saved_masters if not torch.equal(saved_masters[n], loaded[n])]
+        left = exported(again)  # the served copy the load left, before a step
+        after_load = compare(again, left, 1, faircast, config.mode)
+        after_load["differs_from_saved"] = [n for n in served if not torch.equal(served[n].view(torch.int16),
+                                                                                  left[n].view(torch.int16))]
+        train(again, [1])
+    finally:
+        verl_stand_ins.SPLIT_SHARED_STEP = True
     got = exported(again)
     diff = [n for n in want if not torch.equal(want[n].view(torch.int16), got[n].view(torch.int16))]
     got_masters = hf_masters(again)
     masters_differ = [n for n in want_masters if not torch.equal(want_masters[n], got_masters[n])]
-    check = compare(again, got, 2, True)
-    return {"state_files": files, "loaded_version": loaded_version, "version": fc2.caster.version,
+    check = compare(again, got, 2, faircast, config.mode)
+    if faircast:
+        verl_megatron.PATCHES.remove()
+        from faircast_plugins.megatron import remove_megatron_patch
+
+        remove_megatron_patch(again.optimizer)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return {"state_files": files, "loaded_version": loaded_version, "version": fc2.caster.version if faircast else None,
             "mismatches": diff, "masters_differ": masters_differ, "loaded_masters_differ": loaded_differ,
-            "tensors": len(want), "check": check}
+            "tensors": len(want), "check": check, "after_load": after_load, "state_differs": state_differs,
+            "shared_step_states": shared_step_states}
+
+
+def _state_differs(saved, loaded):
+    """The entries of two ``FairCaster.state_dict()`` that differ (tensors bit for bit)."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    def same(x, y):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            raw = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+            return x.dtype == y.dtype and x.shape == y.shape and torch.equal(raw(x), raw(y))
+        return x == y
+
+    a, b = dict(flat(saved)), dict(flat(loaded))
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same(a[k], b[k]))
 
 
 def main():

@@ -4,7 +4,8 @@ gloo (test-only; the facts are in /work/shared/notes/verl-megatron-cpu.md). They
 :func:`install` must run before verl's engine module is imported: 3.12 names, verl's CPU platform
 (tests/verl/shims/cpu_platform.py), megatron-core's CUDA calls and streams (cpu_shims.py), megatron-bridge imported
 behind a TransformerEngine stub that is gone afterwards (bridge_stubs.py), and the local attention given the masks
-verl's inputs carry, and torch Adam's state initialised before a checkpoint load. :data:`TRANSFORMER_OVERRIDES` goes into the engine config's ``override_transformer_config``.
+verl's inputs carry, and torch Adam's state initialised before a checkpoint load and given one ``step`` per parameter
+after it. :data:`TRANSFORMER_OVERRIDES` goes into the engine config's ``override_transformer_config``.
 """
 from __future__ import annotations
 
@@ -75,6 +76,46 @@ def _optimizer_state_before_load() -> None:
     DistributedOptimizer.state_dict = state_dict
 
 
+#: the optimizer states that shared one ``step`` tensor after each DistributedOptimizer load (what the stand-in split)
+SHARED_STEP_STATES: list = []
+#: False: leave megatron-core's shared ``step`` as it is (the negative control of the stand-in below)
+SPLIT_SHARED_STEP = True
+
+
+def _one_step_per_state_after_load() -> None:
+    """Without apex or TransformerEngine (``HAVE_APEX_OR_TE`` False: this CPU setup; on a GPU, megatron-bridge installs
+    TE and its FusedAdam keeps ``step`` in the param group), megatron-core's ``DistributedOptimizer.load_state_dict``
+    (0.16.1, 0.18.2 and 0.19.2: ``s["step"] = step`` in its "non-Apex/TE support" branch) gives every torch Adam
+    state one and the same ``step`` tensor, and torch's ``Optimizer.load_state_dict`` keeps that object (a non-fused,
+    non-capturable ``step`` is not copied). torch Adam then adds 1 to that one tensor in place for every parameter it
+    updates (its single-tensor path, the CPU default: ``step_t += 1``; the foreach path, CUDA's default, adds 1 per
+    parameter too), so in the first step after a resume the i-th parameter uses the bias corrections of step 1 + i
+    instead of 2. Measured with Fair Cast off and on alike (the Llama's 15 param states, two groups): steps 2 to 16,
+    the first parameter's master the same as in the uninterrupted run, the 14 others different (20 of 21 HF tensors).
+    Each state gets its own copy of the loaded value, as in the uninterrupted run; :data:`SHARED_STEP_STATES` records
+    how many shared one."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.load_state_dict
+    if getattr(original, "_faircast_test_step", False):
+        return
+
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        states = [s for s in self.optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
+        owners = {}
+        for s in states:
+            owners.setdefault(id(s["step"]), []).append(s)
+        SHARED_STEP_STATES.append(sum(len(group) for group in owners.values() if len(group) > 1))
+        if SPLIT_SHARED_STEP:
+            for s in states:
+                s["step"] = s["step"].clone()
+        return result
+
+    load_state_dict._faircast_test_step = True
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+
 _INSTALLED = False
 
 
@@ -94,6 +135,7 @@ def install() -> None:
     cpu_shims.install()
     _attention_masks()
     _optimizer_state_before_load()
+    _one_step_per_state_after_load()
     bridge_stubs.import_bridge()  # also verl.models.mcore.bridge
     from megatron.bridge.models import gpt_provider
 

@@ -151,39 +151,61 @@ def summarize(stats: torch.Tensor) -> Dict[str, float]:
 
 @contextmanager
 def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
-                    shared: Optional[Dict[torch.nn.Module, List[torch.nn.Parameter]]] = None):
+                    shared: Optional[Dict[torch.nn.Module, List[torch.nn.Parameter]]] = None, *, rebind: bool = False):
     """Forwards of ``model`` inside run on ``view(p)`` instead of each parameter ``p`` (None: ``p`` itself).
-
-    ``shared``: parameters a module reads in its forward besides its own (a Megatron output layer given the tied
-    embedding's weight by its parent), swapped around that module's forward too.
 
     Each module's own parameters are swapped in by a forward pre-hook and back by a forward hook, so at most one
     module's other copy is alive at a time (the view is computed on the fly, e.g. a recovery or a cast of one
     weight). A parameter used outside its module's forward would be read unswapped: this serves modules that use
     their own weights (every ``nn.Linear``, ``nn.Embedding``, norm; a tied ``lm_head`` swaps its shared weight in its
-    own forward)."""
-    saved: Dict[int, List] = {}
+    own forward). ``shared``: parameters a module is handed by its parent and reads in its forward besides its own (a
+    Megatron output layer given the tied embedding's weight), swapped around that module's forward too.
 
+    ``rebind=False`` swaps ``p.data``. ``rebind=True`` leaves every Parameter object untouched and puts the view in its
+    module's ``_parameters`` slot for the forward (a ``shared`` one: in the forward's arguments): needed where the view
+    has another dtype than ``p`` and something holds ``p``'s gradient accumulator (torch resets it when ``p.data``
+    changes dtype, dropping the hooks registered on it: Megatron's DDP reduces gradients from such hooks)."""
+    saved: Dict[int, List] = {}
     extra = {id(m): list(ps) for m, ps in (shared or {}).items()}
 
-    def pre(module, args):
+    def swap_in(module, args, kwargs):
         swapped = []
-        for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
-            other = view(p)
-            if other is not None:
-                swapped.append((p, p.data))
-                p.data = other
+        if rebind:
+            for name, p in list(module._parameters.items()):
+                other = view(p) if p is not None else None
+                if other is not None:
+                    swapped.append((module, name, p))
+                    module._parameters[name] = other
+            others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
+            if others:
+                args = tuple(others.get(id(a), a) for a in args)
+                kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
+        else:
+            for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
+                other = view(p)
+                if other is not None:
+                    swapped.append((p, p.data))
+                    p.data = other
         saved.setdefault(id(module), []).append(swapped)
+        return args, kwargs
+
+    def put_back(swapped):
+        for item in swapped:
+            if rebind:
+                module, name, p = item
+                module._parameters[name] = p
+            else:
+                p, data = item
+                p.data = data
 
     def post(module, args, output):
-        for p, data in saved[id(module)].pop():
-            p.data = data
+        put_back(saved[id(module)].pop())
 
     handles = []
     try:
         for module in model.modules():
             if next(module.parameters(recurse=False), None) is not None or id(module) in extra:
-                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_pre_hook(swap_in, with_kwargs=True))
                 handles.append(module.register_forward_hook(post))
         yield
     finally:
@@ -191,8 +213,7 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
             h.remove()
         for stack in saved.values():  # a forward that raised: put back what it left swapped
             for swapped in reversed(stack):
-                for p, data in swapped:
-                    p.data = data
+                put_back(swapped)
 
 
 def served_weight(master: torch.Tensor, *, enabled: bool, mode: str, key: int, backend: str = "auto") -> torch.Tensor:

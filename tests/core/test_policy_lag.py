@@ -301,7 +301,8 @@ def test_vocab_parallel_stats_over_two_ranks_equal_the_unsharded_ones(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_weights_swapped_also_swaps_a_shared_weight_around_the_module_that_reads_it():
+@pytest.mark.parametrize("rebind", [False, True])
+def test_weights_swapped_also_swaps_a_shared_weight_around_the_module_that_reads_it(rebind):
     """A Megatron output layer tied to the embedding reads the embedding's weight, handed in by its parent."""
 
     class Head(torch.nn.Module):
@@ -323,10 +324,31 @@ def test_weights_swapped_also_swaps_a_shared_weight_around_the_module_that_reads
     view = lambda p: other.get(id(p))  # noqa: E731
     with torch.no_grad():
         plain = model(ids)
-        with weights_swapped(model, view):  # the head reads the weight unswapped: half swapped
+        with weights_swapped(model, view, rebind=rebind):  # the head reads the weight unswapped: half swapped
             half = model(ids)
-        with weights_swapped(model, view, shared={model.head: [model.embed.weight]}):
+        with weights_swapped(model, view, shared={model.head: [model.embed.weight]}, rebind=rebind):
             full = model(ids)
     torch.testing.assert_close(half, plain * 2)
     torch.testing.assert_close(full, plain * 4)
     assert torch.equal(model.embed.weight.detach() * 2, other[id(model.embed.weight)])  # restored
+
+
+def test_rebind_keeps_the_gradient_accumulator_hooks_a_dtype_changing_swap_drops():
+    """Megatron's DDP reduces gradients from hooks on each param's gradient accumulator. A ``p.data`` swap to fp32 of
+    a bf16 param makes torch drop that accumulator (and its hooks); ``rebind=True`` never touches the Parameter."""
+    for rebind, survives in ((False, False), (True, True)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+        fired = []
+        keep = []
+        for p in model.parameters():
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]  # what Megatron's DDP hooks
+            acc.register_hook(lambda *_: fired.append(1))
+            keep.append(acc)
+        view = lambda p: p.data.float() * 2  # noqa: E731
+        x = torch.randn(3, 4)
+        with torch.no_grad(), weights_swapped(model, view, rebind=rebind):
+            out = model(x)
+        assert out.dtype == torch.float32
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        model(x.to(torch.bfloat16)).sum().backward()
+        assert bool(fired) == survives, (rebind, len(fired))

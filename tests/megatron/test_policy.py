@@ -52,8 +52,11 @@ def _check(results, name, dp):
         assert third["faircast/policy_seqs"] == ref["faircast/policy_seqs"] == 2 * dp
         assert third["faircast/policy_tokens"] == ref["faircast/policy_tokens"] == dp * (11 + 6)  # 11 and 6 completion tokens
         assert third["faircast/policy_kl"] > 0, third  # the masters moved off the bf16 grid after two steps
+        # TP2 sums the row-parallel matmuls' partial products in another order than the TP=1 reference (fp32
+        # logits): measured 3e-6 relative; a wrong vocab slice or view would be off by O(1)
+        tol = 1e-6 if r["coords"]["tp"] == 0 and name != "policy_tp2" else 1e-4
         for key in KEYS:
-            assert math.isclose(third[key], ref[key], rel_tol=1e-6, abs_tol=1e-12), (key, third[key], ref[key])
+            assert math.isclose(third[key], ref[key], rel_tol=tol, abs_tol=1e-12), (key, third[key], ref[key])
     assert len({tuple(sorted(r["metrics"][2].items())) for r in ranks}) == 1  # every rank logs the same numbers
 
 

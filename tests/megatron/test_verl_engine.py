@@ -171,3 +171,41 @@ def test_overlapped_param_gather_is_refused_at_attach(ws2):
     ranges would be one version stale (megatron-review finding 4): Fair Cast refuses to attach, on every rank."""
     ranks = ws2["dp2_overlap"]
     assert len(ranks) == 2 and all("does not support overlap_param_gather" in r.get("error", "") for r in ranks), ranks
+
+
+# -- faircast/policy_* measured by the engine (faircast_plugins/verl/megatron.py, megatron/policy.py) ---------------
+@pytest.fixture(scope="module")
+def policy_ws1(models, tmp_path_factory):
+    return _launch(1, ["policy", "policy_off"], models, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def policy_ws2(models, tmp_path_factory):
+    return _launch(2, ["policy_tp2"], models, tmp_path_factory)
+
+
+def _logs_policy_metrics(ranks, seqs):
+    for r in ranks:
+        first, second = r["metrics"]
+        assert r["version"] == 2, r
+        # before step 1 the masters are the fp32 copies of the bf16 init: the views agree; before step 2 they differ
+        assert first["faircast/policy_kl"] == 0.0 and first["faircast/policy_ess_frac"] == 1.0, first
+        assert second["faircast/policy_kl"] > 0 and 0 < second["faircast/policy_ess_frac"] <= 1, second
+        assert second["faircast/policy_seqs"] == seqs and second["faircast/policy_tokens"] > 0, second
+        assert second["faircast/version"] == 1.0
+    assert len({tuple(sorted(r["metrics"][1].items())) for r in ranks}) == 1  # every rank logs the same numbers
+
+
+@pytest.mark.parametrize("name", ["policy", "policy_off"])
+def test_world1_engine_logs_the_policy_metrics(policy_ws1, name):
+    """actor_rollout_ref.faircast.policy_metrics_every=1 (Fair Cast on, and off: the served copy is then Megatron's
+    round to nearest): verl's train_batch measures the first 2 sequences of its batch before the update, and the
+    metrics the worker's update_actor returns carry faircast/policy_*."""
+    _logs_policy_metrics(_ranks(policy_ws1, name), seqs=2)
+
+
+def test_world2_tp2_engine_logs_the_policy_metrics(policy_ws2):
+    """TP2 (one DP rank): vocab-parallel logits; both TP ranks log the same numbers."""
+    ranks = _ranks(policy_ws2, "policy_tp2")
+    assert sorted(r["coords"]["tp"] for r in ranks) == [0, 1]
+    _logs_policy_metrics(ranks, seqs=2)

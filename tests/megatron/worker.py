@@ -633,13 +633,13 @@ def policy(name, opts):
             for local, (p, master, served) in masters.items():
                 got = view(p)
                 master_view_exact &= torch.equal(got.view(torch.int32), master.view(torch.int32))
-                want = (fair_cast(master.cpu().contiguous(), key=derive_key(SEED, step, fc.keys[id(p)].name),
-                                  mode="stochastic")
-                        if faircast else master.to(torch.bfloat16)).cpu()
-                served_is &= torch.equal(served_view(p).cpu().to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
                 differs += int(not torch.equal(served_view(p), got))
                 expert = not getattr(p, "allreduce", True)
-                full[local] = {"served": tp_full(served.float(), p, expert).cpu(), "master": tp_full(master, p, expert).cpu()}
+                full[local] = {"served": tp_full(served_view(p), p, expert).cpu(), "master": tp_full(master, p, expert).cpu()}
+                whole = full[local]["master"].contiguous()  # the cast keys index the full (TP=1) tensor
+                want = (fair_cast(whole, key=derive_key(SEED, step, fc.keys[id(p)].name), mode="stochastic")
+                        if faircast else whole.to(torch.bfloat16))
+                served_is &= torch.equal(full[local]["served"].to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
             out.update(master_view_exact=master_view_exact, served_view_is=served_is, views_differ=differs,
                        params=len(masters))
             local_batches = [(ids, pos, mask)]

@@ -171,6 +171,14 @@ class MegatronPolicyProbe:
                 return {model.output_layer: [weight]}
         return {}
 
+    def _local_vocab(self) -> Optional[int]:
+        """This rank's rows of the output layer (``V / TP``): how many logits per position a forward makes."""
+        out = getattr(self.model, "output_layer", None)
+        weight = getattr(out, "weight", None) if out is not None else None
+        if weight is None and getattr(self.model, "share_embeddings_and_output_weights", False):
+            weight = self.model.shared_embedding_or_output_weight()
+        return int(weight.shape[0]) if weight is not None else None
+
     def _logits(self, view: Callable, ids, positions, attention_mask) -> torch.Tensor:
         with weights_swapped(self.model, view, shared=self._shared(), rebind=True):
             logits = self.model(ids, positions, attention_mask)
@@ -189,7 +197,7 @@ class MegatronPolicyProbe:
         self.probe.measured_step = step
         count = min(self.probe.seqs, input_ids.shape[0])
         length = input_ids.shape[1]
-        local_vocab = None
+        local_vocab = self._local_vocab()
         rows = []
         was_training = self.model.training
         self.model.eval()

@@ -192,7 +192,7 @@ def _logs_policy_metrics(ranks, seqs):
         assert first["faircast/policy_kl"] == 0.0 and first["faircast/policy_ess_frac"] == 1.0, first
         assert second["faircast/policy_kl"] > 0 and 0 < second["faircast/policy_ess_frac"] <= 1, second
         assert second["faircast/policy_seqs"] == seqs and second["faircast/policy_tokens"] > 0, second
-        assert second["faircast/version"] == 1.0
+        assert second["faircast/version"] == 2.0  # logged after the step it measured before
     assert len({tuple(sorted(r["metrics"][1].items())) for r in ranks}) == 1  # every rank logs the same numbers
 
 

@@ -209,3 +209,36 @@ def test_world2_tp2_engine_logs_the_policy_metrics(policy_ws2):
     ranks = _ranks(policy_ws2, "policy_tp2")
     assert sorted(r["coords"]["tp"] for r in ranks) == [0, 1]
     _logs_policy_metrics(ranks, seqs=2)
+
+
+def test_policy_inputs_read_the_counted_tokens_of_sft_and_ppo_batches():
+    """The probe's inputs from verl's no-padding batches: a nested ``loss_mask`` aligned with ``input_ids`` (SFT), or a
+    padded ``response_mask`` whose valid positions (``attention_mask``) are the end of each unpadded sequence (PPO,
+    ``left_right_2_no_padding``), a masked tool token kept masked; right-padded to one length."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from faircast_plugins.verl.megatron import policy_inputs
+
+    nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    ids = [torch.arange(10, 16), torch.arange(20, 25)]
+    pos = [torch.arange(6), torch.arange(5)]
+    sft = TensorDict({"input_ids": nested(ids), "position_ids": nested(pos),
+                      "loss_mask": nested([torch.tensor([0, 0, 1, 1, 1, 1]), torch.tensor([0, 1, 1, 1, 1])])},
+                     batch_size=[2])
+    sft = tu.get_tensordict(tensor_dict=dict(sft.items()), non_tensor_dict={"temperature": 0.7})
+    got_ids, got_pos, mask, temperature = policy_inputs(sft, 2)
+    assert temperature == 0.7 and got_ids.shape == (2, 6)
+    assert got_ids[1].tolist() == [20, 21, 22, 23, 24, 0] and got_pos[1, :5].tolist() == [0, 1, 2, 3, 4]
+    assert mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
+    # PPO: prompt width 3 (left-padded), response width 4 (right-padded); sequence 1 has a masked tool token
+    ppo = TensorDict({"input_ids": nested([torch.arange(10, 16), torch.arange(20, 26)]),
+                      "position_ids": nested([torch.arange(6), torch.arange(6)]),
+                      "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1]]),
+                      "response_mask": torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]])}, batch_size=[2])
+    ppo = tu.get_tensordict(tensor_dict=dict(ppo.items()), non_tensor_dict={})
+    _, _, mask, temperature = policy_inputs(ppo, 1)
+    assert temperature == 1.0 and mask.tolist() == [[0, 0, 0, 1, 1, 1]]
+    _, _, mask, _ = policy_inputs(ppo, 2)
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 1, 1]]

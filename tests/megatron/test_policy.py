@@ -2,7 +2,7 @@
 one-process reference (a TP=1 fp32 GPT holding the full served copy, then the full master), at world 1 (distributed
 and Float16 optimizers, tied embedding), DP2 and TP2 (and TP2 x DP2); flag off serves round to nearest of the master;
 nothing is left behind (the run with the probe trains exactly as the run without); pipeline parallelism is refused.
-One torchrun launch per world size (tests/megatron/worker.py scenarios ``policy*``)."""
+The scenarios (tests/megatron/worker.py ``policy*``) run in test_megatron.py's launches."""
 from __future__ import annotations
 
 import math
@@ -11,28 +11,11 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.megatron.test_megatron import _ranks, launch  # noqa: E402
+# the scenarios run in test_megatron.py's torchrun launches (its WS1 / WS2 / WS4 lists; fixtures in conftest.py)
+from tests.megatron.test_megatron import _ranks  # noqa: E402
 
 KEYS = ("faircast/policy_kl", "faircast/policy_ess_frac", "faircast/policy_seq_log_ratio_std", "faircast/policy_seqs",
         "faircast/policy_tokens")
-WS1 = ["policy", "policy_off", "policy_f16", "policy_tied"]
-WS2 = ["policy", "policy_off", "policy_tp2", "policy_pp2"]
-WS4 = ["policy_tp2"]
-
-
-@pytest.fixture(scope="module")
-def ws1(tmp_path_factory):
-    return launch(1, WS1, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def ws2(tmp_path_factory):
-    return launch(2, WS2, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def ws4(tmp_path_factory):
-    return launch(4, WS4, tmp_path_factory)
 
 
 def _check(results, name, dp):
@@ -60,7 +43,7 @@ def _check(results, name, dp):
     assert len({tuple(sorted(r["metrics"][2].items())) for r in ranks}) == 1  # every rank logs the same numbers
 
 
-@pytest.mark.parametrize("name", WS1)
+@pytest.mark.parametrize("name", ["policy", "policy_off", "policy_f16", "policy_tied"])
 def test_world1_metrics_equal_the_one_process_reference(ws1, name):
     _check(ws1, name, dp=1)
 

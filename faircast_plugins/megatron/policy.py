@@ -196,6 +196,17 @@ class MegatronPolicyProbe:
 
         self.probe.measured_step = step
         count = min(self.probe.seqs, input_ids.shape[0])
+        input_ids, position_ids, token_mask = input_ids[:count], position_ids[:count], token_mask[:count]
+        tp = ps.get_tensor_model_parallel_world_size()
+        extra = -input_ids.shape[1] % tp if getattr(getattr(self.model, "config", None), "sequence_parallel", False) else 0
+        if extra and attention_mask is not None:
+            raise ValueError(f"{WHERE}: with sequence parallelism the sequence ({input_ids.shape[1]} tokens) must be a "
+                             f"multiple of the tensor-parallel size {tp}, or attention_mask None (then it is padded)")
+        if extra:  # sequence parallelism splits the sequence over the TP ranks: right-pad it (causal: nothing counted moves)
+            steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(count, extra)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+            token_mask = torch.cat([token_mask, token_mask.new_zeros(count, extra)], dim=1)
         length = input_ids.shape[1]
         local_vocab = self._local_vocab()
         rows = []

@@ -389,20 +389,14 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     includes its metrics. Without it ``policy_metrics_every`` is refused (nothing would measure it).
 
     Returns the attached :class:`MegatronFairCast` (also ``optimizer._faircast``), or None when the config is
-    neither enabled nor auditing nor measuring the policy. Raises :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported
-    megatron-core versions, optimizers and options.
+    neither enabled nor auditing nor measuring the policy. Raises :class:`~faircast_plugins.patching.FairCastPatchError`
+    for unsupported megatron-core versions, optimizers and options.
     """
     if not caster.config.active:
         return None
-    probe = None
-    if measure_policy and caster.config.measures_policy:
-        from .policy import MegatronPolicyProbe
-
-        chunks = model_chunks if model_chunks is not None else list(
-            {id(c): c for o in _sub_optimizers(optimizer) for c in (getattr(o, "model_chunks", None) or [])}.values())
-        probe = MegatronPolicyProbe(optimizer, chunks, every=caster.config.policy_metrics_every,
-                                    seqs=caster.config.policy_metrics_seqs, caster=caster)
-    refuse_policy_metrics(caster, "Megatron-core's patch (apply_megatron_patch; verl's Megatron engine, slime, NeMo-RL)")
+    measured = measure_policy and caster.config.measures_policy
+    if not measured:
+        refuse_policy_metrics(caster, "Megatron-core's patch (apply_megatron_patch; verl's Megatron engine, slime, NeMo-RL)")
     delta = getattr(converters, "delta_sync", None)
     warning = delta and costly_mode_warning(caster.config.effective_mode, delta, "FairCastConfig(mode='sticky')")
     if warning:
@@ -421,6 +415,12 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
         keys = param_keys(model_chunks)
     except LayoutError as exc:
         raise FairCastPatchError(f"Fair Cast cannot key this Megatron model: {exc}") from None
+    probe = None
+    if measured:  # refuses the layouts it cannot measure (pipeline / context parallel, overlap_param_gather)
+        from .policy import MegatronPolicyProbe
+
+        probe = MegatronPolicyProbe(optimizer, model_chunks, every=caster.config.policy_metrics_every,
+                                    seqs=caster.config.policy_metrics_seqs, caster=caster)
     missing = [tuple(p.shape) for opt in subs for g in _bf16_groups(opt) for p in g if id(p) not in keys]
     if missing:
         raise FairCastPatchError(f"{len(missing)} bf16 params of the optimizer (first: shape {missing[0]}) are not in "

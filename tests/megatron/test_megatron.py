@@ -22,7 +22,7 @@ WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "a
        "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals", "hf_offload",
        "policy", "policy_off", "policy_f16", "policy_tied"]  # policy*: tests/megatron/test_policy.py
 WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2", "hf_pp2",
-       "hf_ep2", "policy", "policy_off", "policy_tp2", "policy_pp2",
+       "hf_ep2", "policy", "policy_off", "policy_tp2", "policy_ep2", "policy_pp2",
        "check_one_rank"]  # check_one_rank last: before its fix it hung until the gloo timeout
 WS4 = ["tp2", "tp2_off", "hf_tp2", "policy_tp2"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600

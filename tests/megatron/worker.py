@@ -69,6 +69,7 @@ SCENARIOS = {
     "policy": dict(policy=True), "policy_off": dict(policy=True, faircast=False),
     "policy_f16": dict(policy=True, distributed=False), "policy_tp2": dict(policy=True, tp=2),
     "policy_tied": dict(policy=True, tied=True), "policy_pp2": dict(policy=True, pp=2, layers=4),
+    "policy_ep2": dict(policy=True, ep=2, experts=4),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -558,19 +559,23 @@ def policy_reference(opts, full, batches, seqs):
     (every param at once, no swap, no vocab-parallel softmax), scoring every DP rank's first ``seqs`` sequences."""
     from faircast_plugins.policy_lag import metrics_of, sequence_stats
 
+    experts = opts.get("experts")
     config = TransformerConfig(
         num_layers=opts.get("layers", 2), hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
-        params_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
-    ref = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+        params_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+        moe_ffn_hidden_size=48 if experts else None, moe_aux_loss_coeff=0.0)
+    ref = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts), vocab_size=VOCAB,
                    max_sequence_length=SEQ, position_embedding_type="learned_absolute",
                    share_embeddings_and_output_weights=opts.get("tied", False)).eval()
     params = dict(ref.named_parameters())
     logits = {}
     for view in ("served", "master"):
         with torch.no_grad():
+            assert set(full) == set(params), sorted(set(full) ^ set(params))
             for name, tensors in full.items():
-                params[name.removeprefix("module.")].copy_(tensors[view])
+                params[name].copy_(tensors[view])
             logits[view] = [ref(ids.cpu(), pos.cpu(), None).float() for ids, pos, _ in batches]
     rows = [sequence_stats(s[:seqs, :-1], m[:seqs, :-1], ids[:seqs, 1:].cpu(), mask[:seqs, 1:].cpu())
             for s, m, (ids, _, mask) in zip(logits["served"], logits["master"], batches)]
@@ -635,11 +640,12 @@ def policy(name, opts):
                 master_view_exact &= torch.equal(got.view(torch.int32), master.view(torch.int32))
                 differs += int(not torch.equal(served_view(p), got))
                 expert = not getattr(p, "allreduce", True)
-                full[local] = {"served": tp_full(served_view(p), p, expert).cpu(), "master": tp_full(master, p, expert).cpu()}
-                whole = full[local]["master"].contiguous()  # the cast keys index the full (TP=1) tensor
-                want = (fair_cast(whole, key=derive_key(SEED, step, fc.keys[id(p)].name), mode="stochastic")
+                name = fc.keys[id(p)].name  # canonical: global layer and expert ids, the TP=1 model's names
+                full[name] = {"served": tp_full(served_view(p), p, expert).cpu(), "master": tp_full(master, p, expert).cpu()}
+                whole = full[name]["master"].contiguous()  # the cast keys index the full (TP=1) tensor
+                want = (fair_cast(whole, key=derive_key(SEED, step, name), mode="stochastic")
                         if faircast else whole.to(torch.bfloat16))
-                served_is &= torch.equal(full[local]["served"].to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
+                served_is &= torch.equal(full[name]["served"].to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
             out.update(master_view_exact=master_view_exact, served_view_is=served_is, views_differ=differs,
                        params=len(masters))
             local_batches = [(ids, pos, mask)]
@@ -647,8 +653,9 @@ def policy(name, opts):
         train_step(config, model, optimizer, s)
     # the reference, on rank 0's view of every DP rank's batch: gather the batches of the TP-rank-0 ranks
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (tp_rank, [(i.cpu(), p.cpu(), m.cpu()) for i, p, m in local_batches]))
-    batches = [b for rank_tp, bs in gathered if rank_tp == 0 for b in bs]
+    dist.all_gather_object(gathered, (tp_rank, [(i.cpu(), p.cpu(), m.cpu()) for i, p, m in local_batches], full))
+    batches = [b for rank_tp, bs, _ in gathered if rank_tp == 0 for b in bs]
+    full = {n: t for _, _, part in gathered for n, t in part.items()}  # every expert rank's experts
     final = full_master_and_served(model, optimizer)
     out["differs_from_control"] = [n for n in control if not (torch.equal(_bits(control[n][0]), _bits(final[n][1])) and
                                    torch.equal(_bits(control[n][1]), _bits(final[n][2])))]

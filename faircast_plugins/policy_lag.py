@@ -25,9 +25,9 @@ round to nearest of the master (what the standard export serves): the metric sho
 with Fair Cast on it shows what the unbiased copy's rounding noise costs.
 
 Pure torch, below the adapters: :func:`sequence_stats` (logits of both copies on the same tokens -> per-sequence
-sums), :func:`summarize` (those rows, gathered from every rank -> the metrics), :func:`weights_swapped` (runs a
-forward on another copy of the weights, swapping each module's own parameters in just before it runs and back
-just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
+sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the vocabulary by tensor parallelism),
+:func:`summarize` (those rows, gathered from every rank -> the metrics), :func:`weights_swapped` (runs a forward on
+another copy of the weights, swapping each module's own parameters in just before it runs and back just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
 served copy of one master, by the export's cast) and :class:`PolicyLagProbe` (when to measure, and the measuring
 itself, given the adapter's two weight views).
 """
@@ -84,6 +84,55 @@ def sequence_stats(served_logits: torch.Tensor, master_logits: torch.Tensor, tok
     return out
 
 
+def vocab_parallel_sequence_stats(served_logits: torch.Tensor, master_logits: torch.Tensor, tokens: torch.Tensor,
+                                  mask: torch.Tensor, temperature: float = 1.0, *, group=None,
+                                  vocab_start: Optional[int] = None) -> torch.Tensor:
+    """:func:`sequence_stats` of logits split over the vocabulary (tensor parallelism: Megatron's output layer gives
+    each rank of ``group`` its ``[B, T, V / TP]`` slice): the same ``[B, 3]`` rows on every rank of ``group``.
+
+    ``tokens`` are global vocabulary ids; this rank's slice holds ids ``[vocab_start, vocab_start + V_local)``
+    (default ``rank(group) * V_local``, Megatron's ``VocabUtility`` split). The log-softmax is exact over the whole
+    vocabulary: the max and the sum of exponentials are all-reduced over ``group`` (MAX, then SUM), then the
+    per-position KL terms and the sampled token's logits (on one rank, zero on the others) in one more SUM. Float64
+    throughout, three collectives per chunk of :data:`POSITION_CHUNK` positions; every rank of ``group`` must call it
+    with the same ``tokens`` and ``mask``. Pure torch.distributed; ``group=None`` outside a process group is the
+    unsharded computation."""
+    import torch.distributed as dist
+
+    if served_logits.shape != master_logits.shape or served_logits.shape[:2] != tokens.shape:
+        raise ValueError(f"logits {tuple(served_logits.shape)} / {tuple(master_logits.shape)} do not match tokens "
+                         f"{tuple(tokens.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    local = served_logits.shape[-1]
+    if vocab_start is None:
+        vocab_start = dist.get_rank(group) * local if sharded else 0
+
+    def reduce(t: torch.Tensor, op) -> torch.Tensor:
+        if sharded:
+            dist.all_reduce(t, op=op, group=group)
+        return t
+
+    out = torch.zeros(tokens.shape[0], len(COLUMNS), dtype=torch.float64, device=tokens.device)
+    step = max(1, POSITION_CHUNK // max(1, tokens.shape[0]))
+    for t in range(0, tokens.shape[1], step):
+        both = torch.stack([served_logits[:, t:t + step].double(), master_logits[:, t:t + step].double()]) / temperature
+        top = reduce(both.amax(-1, keepdim=True), dist.ReduceOp.MAX)  # [2, B, chunk, 1]
+        shifted = both - top
+        lse = reduce(shifted.exp().sum(-1, keepdim=True), dist.ReduceOp.SUM).log()
+        log_p = shifted - lse  # this rank's slice of each view's exact log-softmax
+        kl_part = (log_p[0].exp() * (log_p[0] - log_p[1])).sum(-1)  # [B, chunk]
+        idx = tokens[:, t:t + step].long() - vocab_start
+        here = (idx >= 0) & (idx < local)
+        picked = log_p.gather(-1, idx.clamp(0, local - 1).unsqueeze(0).unsqueeze(-1).expand(2, -1, -1, 1)).squeeze(-1)
+        picked = picked * here  # the sampled token's log-prob on the rank that holds it, 0 elsewhere
+        sums = reduce(torch.stack([kl_part, picked[1] - picked[0]]), dist.ReduceOp.SUM)
+        m = mask[:, t:t + step].to(torch.float64)
+        out += torch.stack([(sums[0] * m).sum(1), m.sum(1), (sums[1] * m).sum(1)], dim=1)
+    return out
+
+
 def summarize(stats: torch.Tensor) -> Dict[str, float]:
     """The metrics from :func:`sequence_stats` rows (every rank's, gathered); empty without a counted token."""
     stats = stats.detach().double().cpu().reshape(-1, len(COLUMNS))
@@ -101,34 +150,62 @@ def summarize(stats: torch.Tensor) -> Dict[str, float]:
 
 
 @contextmanager
-def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter], Optional[torch.Tensor]]):
+def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
+                    shared: Optional[Dict[torch.nn.Module, List[torch.nn.Parameter]]] = None, *, rebind: bool = False):
     """Forwards of ``model`` inside run on ``view(p)`` instead of each parameter ``p`` (None: ``p`` itself).
 
     Each module's own parameters are swapped in by a forward pre-hook and back by a forward hook, so at most one
     module's other copy is alive at a time (the view is computed on the fly, e.g. a recovery or a cast of one
     weight). A parameter used outside its module's forward would be read unswapped: this serves modules that use
     their own weights (every ``nn.Linear``, ``nn.Embedding``, norm; a tied ``lm_head`` swaps its shared weight in its
-    own forward)."""
-    saved: Dict[int, List] = {}
+    own forward). ``shared``: parameters a module is handed by its parent and reads in its forward besides its own (a
+    Megatron output layer given the tied embedding's weight), swapped around that module's forward too.
 
-    def pre(module, args):
+    ``rebind=False`` swaps ``p.data``. ``rebind=True`` leaves every Parameter object untouched and puts the view in its
+    module's ``_parameters`` slot for the forward (a ``shared`` one: in the forward's arguments): needed where the view
+    has another dtype than ``p`` and something holds ``p``'s gradient accumulator (torch resets it when ``p.data``
+    changes dtype, dropping the hooks registered on it: Megatron's DDP reduces gradients from such hooks)."""
+    saved: Dict[int, List] = {}
+    extra = {id(m): list(ps) for m, ps in (shared or {}).items()}
+
+    def swap_in(module, args, kwargs):
         swapped = []
-        for p in module.parameters(recurse=False):
-            other = view(p)
-            if other is not None:
-                swapped.append((p, p.data))
-                p.data = other
+        if rebind:
+            for name, p in list(module._parameters.items()):
+                other = view(p) if p is not None else None
+                if other is not None:
+                    swapped.append((module, name, p))
+                    module._parameters[name] = other
+            others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
+            if others:
+                args = tuple(others.get(id(a), a) for a in args)
+                kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
+        else:
+            for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
+                other = view(p)
+                if other is not None:
+                    swapped.append((p, p.data))
+                    p.data = other
         saved.setdefault(id(module), []).append(swapped)
+        return args, kwargs
+
+    def put_back(swapped):
+        for item in swapped:
+            if rebind:
+                module, name, p = item
+                module._parameters[name] = p
+            else:
+                p, data = item
+                p.data = data
 
     def post(module, args, output):
-        for p, data in saved[id(module)].pop():
-            p.data = data
+        put_back(saved[id(module)].pop())
 
     handles = []
     try:
         for module in model.modules():
-            if next(module.parameters(recurse=False), None) is not None:
-                handles.append(module.register_forward_pre_hook(pre))
+            if next(module.parameters(recurse=False), None) is not None or id(module) in extra:
+                handles.append(module.register_forward_pre_hook(swap_in, with_kwargs=True))
                 handles.append(module.register_forward_hook(post))
         yield
     finally:
@@ -136,8 +213,7 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
             h.remove()
         for stack in saved.values():  # a forward that raised: put back what it left swapped
             for swapped in reversed(stack):
-                for p, data in swapped:
-                    p.data = data
+                put_back(swapped)
 
 
 def served_weight(master: torch.Tensor, *, enabled: bool, mode: str, key: int, backend: str = "auto") -> torch.Tensor:
@@ -249,22 +325,24 @@ def refuse_policy_metrics(caster, where: str) -> None:
         )
 
 
-def gather_rows(rows: torch.Tensor, device=None) -> torch.Tensor:
-    """Every rank's rows (a collective when torch.distributed is initialised: every rank calls it)."""
+def gather_rows(rows: torch.Tensor, device=None, group=None) -> torch.Tensor:
+    """Every rank's rows (a collective when torch.distributed is initialised: every rank calls it); ``group``: the
+    ranks of that process group only (e.g. Megatron's data-parallel group, whose tensor-parallel peers hold the same
+    rows)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return rows
     dev = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
     count = torch.tensor([rows.shape[0]], device=dev)
-    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, count)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, count, group=group)
     most = int(max(int(c) for c in counts))
     padded = torch.zeros(most, len(COLUMNS), dtype=torch.float64, device=dev)
     padded[: rows.shape[0]] = rows.to(dev)
     out = [torch.zeros_like(padded) for _ in counts]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=group)
     return torch.cat([o[: int(c)] for o, c in zip(out, counts)]).cpu()
 
 
@@ -279,4 +357,4 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
 
 
 __all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
-           "summarize", "weights_swapped"]
+           "summarize", "vocab_parallel_sequence_stats", "weights_swapped"]

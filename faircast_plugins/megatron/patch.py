@@ -82,6 +82,7 @@ class MegatronFairCast:
         self.cast_by_optimizer: Dict[int, int] = {}  # id(sub-optimizer) -> elements cast in this step
         self.problem: Optional[str] = None
         self.last_step_elements = 0
+        self.policy = None  # the MegatronPolicyProbe (apply_megatron_patch(measure_policy=True)), its metrics merged
         # With ema_decay the EMA starts from the served weights only before the first step of a fresh run.
         self.ema_may_start = caster.version == 0
 
@@ -226,7 +227,10 @@ class MegatronFairCast:
     def metrics(self) -> dict:
         """The ``faircast/*`` metrics since the last call, the audit's sums added over every rank (a collective with
         the audit on: every rank calls it)."""
-        return reduce_metrics(self.caster, device=first_device(self.optimizer))
+        out = reduce_metrics(self.caster, device=first_device(self.optimizer))
+        if self.policy is not None:
+            out.update(self.policy.metrics())  # a collective over the data-parallel group
+        return out
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_path(self, directory: str) -> str:
@@ -362,7 +366,8 @@ def install_megatron_patch() -> PatchSet:
 
 
 def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, bridge=None, converters=None,
-                         hf_vocab_size: Optional[int] = None) -> Optional[MegatronFairCast]:
+                         hf_vocab_size: Optional[int] = None, measure_policy: bool = False
+                         ) -> Optional[MegatronFairCast]:
     """Make ``optimizer``'s fp32 -> bf16 main->model param copy follow the Fair Cast contract.
 
     ``optimizer``: what ``megatron.core.optimizer.get_megatron_optimizer`` returned for the policy (a
@@ -378,13 +383,20 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     self-checked (:mod:`.hf_map`); ``hf_vocab_size`` (default: the bridge's HF config) marks the padded vocab rows.
     Without either, the Megatron-native names key it (a user's own megatron-core loop).
 
+    ``measure_policy``: the caller measures ``faircast/policy_*`` (``policy_metrics_every`` in the config): the
+    returned object's ``policy`` is a :class:`.policy.MegatronPolicyProbe`; call its ``measure`` on the batch before
+    the optimizer step when ``due`` (the step count: ``caster.version``), and :meth:`MegatronFairCast.metrics`
+    includes its metrics. Without it ``policy_metrics_every`` is refused (nothing would measure it).
+
     Returns the attached :class:`MegatronFairCast` (also ``optimizer._faircast``), or None when the config is
-    neither enabled nor auditing. Raises :class:`~faircast_plugins.patching.FairCastPatchError` for unsupported
-    megatron-core versions, optimizers and options.
+    neither enabled nor auditing nor measuring the policy. Raises :class:`~faircast_plugins.patching.FairCastPatchError`
+    for unsupported megatron-core versions, optimizers and options.
     """
     if not caster.config.active:
         return None
-    refuse_policy_metrics(caster, "Megatron-core's patch (apply_megatron_patch; verl's Megatron engine, slime, NeMo-RL)")
+    measured = measure_policy and caster.config.measures_policy
+    if not measured:
+        refuse_policy_metrics(caster, "Megatron-core's patch (apply_megatron_patch; verl's Megatron engine, slime, NeMo-RL)")
     delta = getattr(converters, "delta_sync", None)
     warning = delta and costly_mode_warning(caster.config.effective_mode, delta, "FairCastConfig(mode='sticky')")
     if warning:
@@ -403,6 +415,12 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
         keys = param_keys(model_chunks)
     except LayoutError as exc:
         raise FairCastPatchError(f"Fair Cast cannot key this Megatron model: {exc}") from None
+    probe = None
+    if measured:  # refuses the layouts it cannot measure (pipeline / context parallel, overlap_param_gather)
+        from .policy import MegatronPolicyProbe
+
+        probe = MegatronPolicyProbe(optimizer, model_chunks, every=caster.config.policy_metrics_every,
+                                    seqs=caster.config.policy_metrics_seqs, caster=caster)
     missing = [tuple(p.shape) for opt in subs for g in _bf16_groups(opt) for p in g if id(p) not in keys]
     if missing:
         raise FairCastPatchError(f"{len(missing)} bf16 params of the optimizer (first: shape {missing[0]}) are not in "
@@ -415,6 +433,7 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
         except (ConverterError, ValueError) as exc:
             raise FairCastPatchError(f"Fair Cast cannot key this Megatron model by Hugging Face names: {exc}") from None
     fc = MegatronFairCast(optimizer, caster, keys, hf_groups)
+    fc.policy = probe
     for opt in subs:
         opt.__dict__["_faircast"] = fc
     if len(subs) > 1 or subs[0] is not optimizer:

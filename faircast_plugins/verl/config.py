@@ -77,13 +77,18 @@ def read_faircast(worker_config: Any) -> Optional[FairCastConfig]:
         config = FairCastConfig.from_value(value, mode=sparse)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"actor_rollout_ref.faircast: {exc}") from None
-    if config.measures_policy:
+    if config.measures_policy and _strategy(worker_config) != MEGATRON_STRATEGY:  # Megatron: verl/megatron.py measures
         raise ValueError(
             f"actor_rollout_ref.faircast.policy_metrics_every={config.policy_metrics_every} is not supported under verl "
             f"yet (the faircast/policy_* metrics run in TRL's GRPOTrainer/RLOOTrainer, one process or DDP). Remove it; "
             f"actor_rollout_ref.faircast.audit=true logs faircast/lag_steps, the lag in weight space."
         )
     return config
+
+
+def _strategy(worker_config: Any) -> Optional[str]:
+    actor = getattr(worker_config, "actor", None)
+    return actor.get("strategy", None) if actor is not None and hasattr(actor, "get") else None
 
 
 def delta_sync_advice(worker_config: Any) -> Optional[Tuple[str, str]]:

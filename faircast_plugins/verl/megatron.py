@@ -15,7 +15,11 @@ at 0 and reuse earlier noise; verl does not restore the step count by default), 
 ``actor_rollout_ref.faircast.resume_without_state=true``. When verl offloads the optimizer (``actor.megatron.
 optimizer_offload``: ``MegatronEngine.to("cpu", optimizer=True)`` around the rollout), Fair Cast's per-element state
 (error-feedback residual and served copy, 6 B per element of the DP shard; EMA, 4 B) goes to pinned host memory
-with it, and comes back at the next cast.
+with it, and comes back at the next cast. With ``actor_rollout_ref.faircast.policy_metrics_every=N`` (Fair Cast on or
+off), every N optimizer steps the engine's ``train_batch`` first scores the first ``policy_metrics_seqs`` sequences of
+the batch it is about to train on under the served bf16 params and the fp32 masters (:mod:`faircast_plugins.megatron.
+policy`), and the worker's ``update_actor`` adds ``faircast/policy_*`` to the metrics it returns (with the other
+``faircast/*`` ones).
 """
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ def activate(engine, config: FairCastConfig, *, resume_without_state: bool = Fal
                          "data-parallel ranks' params of the previous version. Remove overlap_param_gather")
     PATCHES.apply(details="Fair Cast state saved and loaded with verl's Megatron checkpoints")
     bridge = getattr(engine, "bridge", None)  # None: an engine built without a bridge keeps Megatron-native keys
-    fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module), bridge=bridge)
+    fc = apply_megatron_patch(engine.optimizer, FairCaster(config), model_chunks=list(engine.module), bridge=bridge,
+                              measure_policy=True)
     setattr(engine, ATTR, fc)
     setattr(engine, FRESH_ATTR, bool(resume_without_state))
     return fc
@@ -111,6 +116,62 @@ def _load(engine, fc, local_path):
     fc.load(local_path)
 
 
+def policy_inputs(data, seqs: int):
+    """``(input_ids, position_ids, token_mask, temperature)`` of the first ``seqs`` sequences of a verl training
+    batch, right-padded to one length: verl's no-padding layout (nested ``input_ids`` / ``position_ids``), with the
+    counted tokens from a nested ``loss_mask`` aligned with ``input_ids`` (SFT), else from ``response_mask`` (PPO:
+    the response is the last ``attention_mask``-valid response positions of each unpadded sequence)."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    ids_all, pos_all = data["input_ids"], data["position_ids"]
+    if not getattr(ids_all, "is_nested", False):
+        raise ValueError("faircast policy_metrics_every on verl's Megatron engine reads its no-padding batches (nested "
+                         "input_ids, use_remove_padding's layout); this batch is padded")
+    ids = list(ids_all.unbind())[:seqs]
+    pos = list(pos_all.unbind())[:seqs]
+    if any(p.dim() != 1 for p in pos):
+        raise ValueError("faircast policy_metrics_every on verl's Megatron engine: multi-dimensional position ids "
+                         "(mrope, vision-language models) are not supported; remove policy_metrics_every")
+    loss_mask = data.get("loss_mask", None) if hasattr(data, "get") else None
+    masks = []
+    if loss_mask is not None and getattr(loss_mask, "is_nested", False):
+        masks = list(loss_mask.unbind())[:seqs]
+    else:
+        response = data["response_mask"]
+        attention = data.get("attention_mask", None)
+        width = response.shape[1]
+        for i, seq in enumerate(ids):
+            n = int(attention[i, -width:].sum()) if attention is not None else int(
+                response[i].nonzero().max()) + 1 if response[i].any() else 0
+            m = torch.zeros(seq.shape[0], dtype=torch.long, device=seq.device)
+            if n:
+                m[-n:] = response[i, :n].to(m.device).long()
+            masks.append(m)
+    length = max(int(t.shape[0]) for t in ids)
+    out_ids = torch.zeros(len(ids), length, dtype=ids[0].dtype, device=ids[0].device)
+    out_pos = torch.arange(length, device=ids[0].device).repeat(len(ids), 1)
+    out_mask = torch.zeros(len(ids), length, dtype=torch.long, device=ids[0].device)
+    for i, (t, p_, m) in enumerate(zip(ids, pos, masks)):
+        out_ids[i, : t.shape[0]], out_pos[i, : t.shape[0]], out_mask[i, : t.shape[0]] = t, p_, m.long()
+    temperature = float(tu.get_non_tensor_data(data=data, key="temperature", default=1.0) or 1.0)
+    return out_ids, out_pos, out_mask, temperature
+
+
+def _wrap_train_batch(original):
+    @functools.wraps(original)
+    def train_batch(self, data, *args, **kwargs):
+        fc = state_of(self)
+        probe = fc.policy if fc is not None else None
+        if probe is not None and probe.due(fc.caster.version):  # before the update: served and masters one version
+            ids, pos, mask, temperature = policy_inputs(data, probe.probe.seqs)
+            device = next(probe.model.parameters()).device
+            probe.measure(fc.caster.version, ids.to(device), pos.to(device), mask.to(device), temperature=temperature)
+        return original(self, data, *args, **kwargs)
+
+    return train_batch
+
+
 def _wrap_to(original):
     @functools.wraps(original)
     def to(self, device, model: bool = True, optimizer: bool = True, grad: bool = True, *args, **kwargs):
@@ -129,6 +190,7 @@ def _wrap_to(original):
 PATCHES = (
     PatchSet("verl Megatron engine", "verl", ">=0.9.1,<0.10")
     .wrap(f"{_ENGINE}.to", _wrap_to)
+    .wrap(f"{_ENGINE}.train_batch", _wrap_train_batch)
     .wrap(f"{_ENGINE}.save_checkpoint", _first(_save))
     .wrap(f"{_ENGINE}.load_checkpoint", _first(_load))
 )

@@ -233,3 +233,122 @@ def test_chunks_under_the_logit_budget_give_the_same_metrics(monkeypatch):
     monkeypatch.setattr(pl, "POSITION_CHUNK", 3)  # and a few positions of float64 scratch at a time
     chunked = _probe(master_model, lambda p: served_of[id(p)], lambda p: None, _batch())
     assert chunked == pytest.approx(whole, rel=1e-6)
+
+
+# -- vocab-parallel (tensor-parallel logits) ------------------------------------------------------------------------
+def _tp_case(seed=3, b=3, t=7, vocab=12, scale=4.0):
+    g = torch.Generator().manual_seed(seed)
+    served = torch.randn(b, t, vocab, generator=g, dtype=torch.float64) * scale
+    master = served + torch.randn(b, t, vocab, generator=g, dtype=torch.float64) * 0.3
+    tokens = torch.randint(0, vocab, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 4:] = 0
+    return served.float(), master.float(), tokens, mask
+
+
+def test_vocab_parallel_stats_without_a_group_equal_sequence_stats():
+    served, master, tokens, mask = _tp_case()
+    from faircast_plugins.policy_lag import vocab_parallel_sequence_stats
+
+    for temperature in (1.0, 0.7):
+        want = sequence_stats(served, master, tokens, mask, temperature)
+        got = vocab_parallel_sequence_stats(served, master, tokens, mask, temperature)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _vocab_parallel_rank(rank, world, port, out, splits):
+    import torch.distributed as dist
+
+    from faircast_plugins.policy_lag import vocab_parallel_sequence_stats
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        served, master, tokens, mask = _tp_case()
+        results = []
+        for bounds in splits:  # (start, end) of each rank's slice
+            lo, hi = bounds[rank]
+            start = None if bounds == _even(world, served.shape[-1]) else lo  # the default: Megatron's even split
+            results.append(vocab_parallel_sequence_stats(served[..., lo:hi], master[..., lo:hi], tokens, mask, 0.8,
+                                                         group=dist.group.WORLD, vocab_start=start))
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _even(world, vocab):
+    per = vocab // world
+    return [(r * per, (r + 1) * per) for r in range(world)]
+
+
+def test_vocab_parallel_stats_over_two_ranks_equal_the_unsharded_ones(tmp_path):
+    """Two gloo ranks, each with half of the vocabulary (and an uneven split with explicit ``vocab_start``): every
+    rank gets the rows the unsharded computation gives, the sampled tokens falling on either rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    splits = [_even(2, 12), [(0, 5), (5, 12)]]
+    out = str(tmp_path / "rows")
+    mp.spawn(_vocab_parallel_rank, args=(2, port, out, splits), nprocs=2, join=True)
+    served, master, tokens, mask = _tp_case()
+    want = sequence_stats(served, master, tokens, mask, 0.8)
+    assert ((tokens < 6) & (mask > 0)).any() and ((tokens >= 6) & (mask > 0)).any()  # both ranks hold sampled tokens
+    for rank in range(2):
+        for got in torch.load(f"{out}.{rank}"):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rebind", [False, True])
+def test_weights_swapped_also_swaps_a_shared_weight_around_the_module_that_reads_it(rebind):
+    """A Megatron output layer tied to the embedding reads the embedding's weight, handed in by its parent."""
+
+    class Head(torch.nn.Module):
+        def forward(self, h, weight):
+            return h @ weight.t()
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.head = Head()
+
+        def forward(self, ids):
+            return self.head(self.embed(ids), self.embed.weight)
+
+    model = Tied()
+    ids = torch.tensor([[1, 2, 4]])
+    other = {id(model.embed.weight): model.embed.weight.detach() * 2}
+    view = lambda p: other.get(id(p))  # noqa: E731
+    with torch.no_grad():
+        plain = model(ids)
+        with weights_swapped(model, view, rebind=rebind):  # the head reads the weight unswapped: half swapped
+            half = model(ids)
+        with weights_swapped(model, view, shared={model.head: [model.embed.weight]}, rebind=rebind):
+            full = model(ids)
+    torch.testing.assert_close(half, plain * 2)
+    torch.testing.assert_close(full, plain * 4)
+    assert torch.equal(model.embed.weight.detach() * 2, other[id(model.embed.weight)])  # restored
+
+
+def test_rebind_keeps_the_gradient_accumulator_hooks_a_dtype_changing_swap_drops():
+    """Megatron's DDP reduces gradients from hooks on each param's gradient accumulator. A ``p.data`` swap to fp32 of
+    a bf16 param makes torch drop that accumulator (and its hooks); ``rebind=True`` never touches the Parameter."""
+    for rebind, survives in ((False, False), (True, True)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+        fired = []
+        keep = []
+        for p in model.parameters():
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]  # what Megatron's DDP hooks
+            acc.register_hook(lambda *_: fired.append(1))
+            keep.append(acc)
+        view = lambda p: p.data.float() * 2  # noqa: E731
+        x = torch.randn(3, 4)
+        with torch.no_grad(), weights_swapped(model, view, rebind=rebind):
+            out = model(x)
+        assert out.dtype == torch.float32
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        model(x.to(torch.bfloat16)).sum().backward()
+        assert bool(fired) == survives, (rebind, len(fired))

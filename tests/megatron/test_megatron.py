@@ -19,10 +19,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 # the HF-keyed scenarios last: with megatron-bridge installed they import it behind TransformerEngine stand-ins
 WS1 = ["do", "f16", "do_off", "f16_off", "resume", "ef_resume", "ema_resume", "audit", "refusals", "skip", "bypass",
-       "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals", "hf_offload"]
+       "hf", "hf_tied", "hf_f16", "hf_resume", "hf_ema_resume", "hf_refusals", "hf_offload",
+       "policy", "policy_off", "policy_f16", "policy_tied"]  # policy*: tests/megatron/test_policy.py
 WS2 = ["do", "f16", "do_off", "overlap", "tp2", "tp2_off", "pp2", "ep2", "resume", "ef_resume", "hf", "hf_tp2", "hf_pp2",
-       "hf_ep2", "check_one_rank"]  # check_one_rank last: before its fix it hung until the gloo timeout
-WS4 = ["tp2", "tp2_off", "hf_tp2"]  # TP2 x DP2
+       "hf_ep2", "policy", "policy_off", "policy_tp2", "policy_ep2", "policy_pp2",
+       "check_one_rank"]  # check_one_rank last: before its fix it hung until the gloo timeout
+WS4 = ["tp2", "tp2_off", "hf_tp2", "policy_tp2"]  # TP2 x DP2
 LAUNCH_TIMEOUT_S = 600
 
 
@@ -44,19 +46,7 @@ def launch(nproc: int, scenarios, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="session")
-def ws1(tmp_path_factory):
-    return launch(1, WS1, tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def ws2(tmp_path_factory):
-    return launch(2, WS2, tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def ws4(tmp_path_factory):
-    return launch(4, WS4, tmp_path_factory)
+# the fixtures ws1 / ws2 / ws4 (one launch each, shared with test_policy.py): tests/megatron/conftest.py
 
 
 def _ranks(results, name):

@@ -24,8 +24,9 @@ from tests.megatron.test_megatron import _free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-WS1 = ["on", "off", "resume", "resume_ef", "moe", "param_offload", "param_offload_off", "optimizer_offload"]
-WS2 = ["dp2", "dp2_off", "tp2", "tp2_off", "pp2", "dp2_overlap"]
+WS1 = ["on", "off", "resume", "resume_ef", "moe", "param_offload", "param_offload_off", "optimizer_offload", "policy",
+       "policy_off"]
+WS2 = ["dp2", "dp2_off", "tp2", "tp2_off", "pp2", "dp2_overlap", "policy_tp2"]
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,66 @@ def test_overlapped_param_gather_is_refused_at_attach(ws2):
     ranges would be one version stale (megatron-review finding 4): Fair Cast refuses to attach, on every rank."""
     ranks = ws2["dp2_overlap"]
     assert len(ranks) == 2 and all("does not support overlap_param_gather" in r.get("error", "") for r in ranks), ranks
+
+
+# -- faircast/policy_* measured by the engine (faircast_plugins/verl/megatron.py, megatron/policy.py) ---------------
+# (the policy scenarios run in the world-1 and world-2 launches)
+
+def _logs_policy_metrics(ranks, seqs):
+    for r in ranks:
+        first, second = r["metrics"]
+        assert r["version"] == 2, r
+        # before step 1 the masters are the fp32 copies of the bf16 init: the views agree; before step 2 they differ
+        assert first["faircast/policy_kl"] == 0.0 and first["faircast/policy_ess_frac"] == 1.0, first
+        assert second["faircast/policy_kl"] > 0 and 0 < second["faircast/policy_ess_frac"] <= 1, second
+        assert second["faircast/policy_seqs"] == seqs and second["faircast/policy_tokens"] > 0, second
+        assert second["faircast/version"] == 2.0  # logged after the step it measured before
+    assert len({tuple(sorted(r["metrics"][1].items())) for r in ranks}) == 1  # every rank logs the same numbers
+
+
+@pytest.mark.parametrize("name", ["policy", "policy_off"])
+def test_world1_engine_logs_the_policy_metrics(ws1, name):
+    """actor_rollout_ref.faircast.policy_metrics_every=1 (Fair Cast on, and off: the served copy is then Megatron's
+    round to nearest): verl's train_batch measures the first 2 sequences of its batch before the update, and the
+    metrics the worker's update_actor returns carry faircast/policy_*."""
+    _logs_policy_metrics(_ranks(ws1, name), seqs=2)
+
+
+def test_world2_tp2_engine_logs_the_policy_metrics(ws2):
+    """TP2 (one DP rank): vocab-parallel logits; both TP ranks log the same numbers."""
+    ranks = _ranks(ws2, "policy_tp2")
+    assert sorted(r["coords"]["tp"] for r in ranks) == [0, 1]
+    _logs_policy_metrics(ranks, seqs=2)
+
+
+def test_policy_inputs_read_the_counted_tokens_of_sft_and_ppo_batches():
+    """The probe's inputs from verl's no-padding batches: a nested ``loss_mask`` aligned with ``input_ids`` (SFT), or a
+    padded ``response_mask`` whose valid positions (``attention_mask``) are the end of each unpadded sequence (PPO,
+    ``left_right_2_no_padding``), a masked tool token kept masked; right-padded to one length."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from faircast_plugins.verl.megatron import policy_inputs
+
+    nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    ids = [torch.arange(10, 16), torch.arange(20, 25)]
+    pos = [torch.arange(6), torch.arange(5)]
+    sft = TensorDict({"input_ids": nested(ids), "position_ids": nested(pos),
+                      "loss_mask": nested([torch.tensor([0, 0, 1, 1, 1, 1]), torch.tensor([0, 1, 1, 1, 1])])},
+                     batch_size=[2])
+    sft = tu.get_tensordict(tensor_dict=dict(sft.items()), non_tensor_dict={"temperature": 0.7})
+    got_ids, got_pos, mask, temperature = policy_inputs(sft, 2)
+    assert temperature == 0.7 and got_ids.shape == (2, 6)
+    assert got_ids[1].tolist() == [20, 21, 22, 23, 24, 0] and got_pos[1, :5].tolist() == [0, 1, 2, 3, 4]
+    assert mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
+    # PPO: prompt width 3 (left-padded), response width 4 (right-padded); sequence 1 has a masked tool token
+    ppo = TensorDict({"input_ids": nested([torch.arange(10, 16), torch.arange(20, 26)]),
+                      "position_ids": nested([torch.arange(6), torch.arange(6)]),
+                      "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1]]),
+                      "response_mask": torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]])}, batch_size=[2])
+    ppo = tu.get_tensordict(tensor_dict=dict(ppo.items()), non_tensor_dict={})
+    _, _, mask, temperature = policy_inputs(ppo, 1)
+    assert temperature == 1.0 and mask.tolist() == [[0, 0, 0, 1, 1, 1]]
+    _, _, mask, _ = policy_inputs(ppo, 2)
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 1, 1]]

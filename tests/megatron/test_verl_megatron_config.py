@@ -68,7 +68,8 @@ def test_per_layer_quantization_is_refused_at_attach(option, value):
 
 
 def test_policy_metrics_are_refused_by_the_megatron_patch():
-    """No Megatron adapter measures faircast/policy_*: asking for them must raise at attach, not log nothing."""
+    """Without a caller that measures faircast/policy_* (apply_megatron_patch(measure_policy=True): verl's Megatron
+    engine, tests/megatron/test_policy.py), asking for them must raise at attach, not log nothing."""
     from faircast_plugins.caster import FairCaster
     from faircast_plugins.config import FairCastConfig
     from faircast_plugins.megatron import apply_megatron_patch
@@ -77,3 +78,16 @@ def test_policy_metrics_are_refused_by_the_megatron_patch():
     for config in (FairCastConfig(enabled=True, policy_metrics_every=10), FairCastConfig(policy_metrics_every=10)):
         with pytest.raises(FairCastPatchError, match="policy_metrics_every=10 is not supported by Megatron-core"):
             apply_megatron_patch(object(), FairCaster(config), model_chunks=[object()])
+
+
+def test_verl_accepts_policy_metrics_on_the_megatron_strategy_only():
+    """verl's Megatron engine measures faircast/policy_* (faircast_plugins/verl/megatron.py); the FSDP strategies do
+    not yet, so their config refuses it."""
+    from faircast_plugins.verl.config import read_faircast
+
+    config = _worker_config()
+    config.faircast = {"enable": True, "policy_metrics_every": 5}
+    assert read_faircast(config).policy_metrics_every == 5
+    config.actor.strategy = "fsdp2"
+    with pytest.raises(ValueError, match="policy_metrics_every=5 is not supported"):
+        read_faircast(config)

@@ -52,6 +52,8 @@ SCENARIOS = {
     "resume_ef": dict(resume=True, mode="error_feedback"),  # its residuals through verl's checkpoint manager
     "resume_off": dict(resume=True, faircast=False), "resume_shared_step": dict(resume=True, shared_step=True),
     "resume_off_shared_step": dict(resume=True, faircast=False, shared_step=True),
+    # faircast/policy_* measured by the engine's train_batch (policy_run)
+    "policy": dict(policy=True), "policy_off": dict(policy=True, faircast=False), "policy_tp2": dict(policy=True, tp=2),
 }
 
 
@@ -181,8 +183,31 @@ def compare(engine, served, version, faircast, mode="stochastic"):
             "mismatches": mismatches if reference or not faircast else None, "differs_from_rtn": differs_from_rtn}
 
 
+def policy_run(name, models_dir):
+    """Fair Cast (on or off) with ``policy_metrics_every=1``, attached as the worker attaches it: two steps through
+    verl's ``train_batch`` (its patched version measures the batch before the update), the ``faircast/*`` metrics the
+    worker's ``update_actor`` returns (``MegatronFairCast.metrics``) after each."""
+    opts = SCENARIOS[name]
+    engine = build_engine(models_dir, opts)
+    config = FairCastConfig(enabled=opts.get("faircast", True), seed=SEED, policy_metrics_every=1,
+                            policy_metrics_seqs=2)
+    fc = verl_megatron.activate(engine, config)
+    out = {"coords": {"tp": mpu.get_tensor_model_parallel_rank(), "dp": mpu.get_data_parallel_rank()}, "metrics": []}
+    for step in (0, 1):
+        out["losses"] = train(engine, [step])
+        out["metrics"].append(fc.metrics())
+    out["version"] = fc.caster.version
+    verl_megatron.PATCHES.remove()
+    from faircast_plugins.megatron import remove_megatron_patch
+
+    remove_megatron_patch(engine.optimizer)
+    return out
+
+
 def run(name, models_dir):
     opts = SCENARIOS[name]
+    if opts.get("policy"):
+        return policy_run(name, models_dir)
     faircast = opts.get("faircast", True)
     engine = build_engine(models_dir, opts)
     config = FairCastConfig(enabled=True, seed=SEED, mode=opts.get("mode", "stochastic"))

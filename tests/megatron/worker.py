@@ -65,6 +65,11 @@ SCENARIOS = {
     # slime's real converters (FAIRCAST_SLIME_SRC; tests/megatron/test_slime.py); TP2: and slime's own TP gather
     "hf_slime": dict(hf=True, slime=True), "hf_slime_tp2": dict(hf=True, slime=True, tp=2),
     "hf_offload": dict(hf=True, offload=True), "check_one_rank": dict(special=True),
+    # the faircast/policy_* probe (faircast_plugins/megatron/policy.py; tests/megatron/test_policy.py)
+    "policy": dict(policy=True), "policy_off": dict(policy=True, faircast=False),
+    "policy_f16": dict(policy=True, distributed=False), "policy_tp2": dict(policy=True, tp=2),
+    "policy_tied": dict(policy=True, tied=True), "policy_pp2": dict(policy=True, pp=2, layers=4),
+    "policy_ep2": dict(policy=True, ep=2, experts=4),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
 
@@ -536,10 +541,144 @@ def check_one_rank():
     return out
 
 
+def policy_batch(step, seqs=3):
+    """``(input_ids, position_ids, token_mask)`` of one data-parallel rank's batch (a function of the step and the
+    DP rank, the same on its TP peers): a 5-token prompt, then completion tokens; the second sequence's are shorter."""
+    g = torch.Generator().manual_seed(7000 + 100 * step + ps.get_data_parallel_rank())
+    device = "cuda" if CUDA else "cpu"
+    ids = torch.randint(0, VOCAB, (seqs, SEQ), generator=g).to(device)
+    pos = torch.arange(SEQ, device=device).unsqueeze(0).expand(seqs, -1)
+    mask = torch.zeros(seqs, SEQ, dtype=torch.long, device=device)
+    mask[:, 5:] = 1
+    mask[1, 11:] = 0
+    return ids, pos, mask
+
+
+def policy_reference(opts, full, batches, seqs):
+    """The metrics from a one-process reference: a TP=1 fp32 GPT holding the full served copy, then the full master
+    (every param at once, no swap, no vocab-parallel softmax), scoring every DP rank's first ``seqs`` sequences."""
+    from faircast_plugins.policy_lag import metrics_of, sequence_stats
+
+    experts = opts.get("experts")
+    config = TransformerConfig(
+        num_layers=opts.get("layers", 2), hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+        params_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+        moe_ffn_hidden_size=48 if experts else None, moe_aux_loss_coeff=0.0)
+    ref = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts), vocab_size=VOCAB,
+                   max_sequence_length=SEQ, position_embedding_type="learned_absolute",
+                   share_embeddings_and_output_weights=opts.get("tied", False)).eval()
+    params = dict(ref.named_parameters())
+    logits = {}
+    for view in ("served", "master"):
+        with torch.no_grad():
+            assert set(full) == set(params), sorted(set(full) ^ set(params))
+            for name, tensors in full.items():
+                params[name].copy_(tensors[view])
+            logits[view] = [ref(ids.cpu(), pos.cpu(), None).float() for ids, pos, _ in batches]
+    rows = [sequence_stats(s[:seqs, :-1], m[:seqs, :-1], ids[:seqs, 1:].cpu(), mask[:seqs, 1:].cpu())
+            for s, m, (ids, _, mask) in zip(logits["served"], logits["master"], batches)]
+    return metrics_of(torch.cat(rows))
+
+
+def policy(name, opts):
+    """Fair Cast (on or off) with the policy probe, against a control run without it: 3 steps, measuring before each
+    (every=1). Step 0: served == master (KL 0). Before step 2: the probe's metrics against the one-process reference,
+    its master view against the independently gathered masters, the served view against fair_cast / RTN of them, and
+    nothing left behind (params and master shards bit-identical). After step 3: the masters and served params
+    equal the control run's."""
+    from faircast_plugins.megatron.policy import MasterView, served_view
+
+    faircast = opts.get("faircast", True)
+    seqs = 2
+    cfg = FairCastConfig(enabled=faircast, seed=SEED, policy_metrics_every=1, policy_metrics_seqs=seqs)
+    plain = FairCastConfig(enabled=faircast, seed=SEED)
+    if opts.get("pp"):  # refused at attach, on every stage
+        config, model, optimizer = build(opts)
+        try:
+            apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], measure_policy=True)
+            return {"refused": None}
+        except FairCastPatchError as exc:
+            return {"refused": str(exc)}
+        finally:
+            remove_megatron_patch(optimizer)
+    # the control: the same run without the probe (Fair Cast off: no patch at all, Megatron's own copy)
+    config, model, optimizer = build(opts)
+    control_fc = apply_megatron_patch(optimizer, FairCaster(plain), model_chunks=[model]) if faircast else None
+    for s in range(3):
+        train_step(config, model, optimizer, s)
+    control = {n: (m.clone(), sv.clone()) for n, (_, m, sv) in full_master_and_served(model, optimizer).items()}
+    if control_fc is not None:
+        remove_megatron_patch(optimizer)
+    del model, optimizer
+
+    config, model, optimizer = build(opts)
+    fc = apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], measure_policy=True)
+    out = {"coords": coords(), "metrics": []}
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    for s in range(3):
+        ids, pos, mask = policy_batch(s)
+        step = fc.caster.version
+        assert fc.policy.due(step)
+        if s == 2:
+            before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+            shards = [m.detach().clone() for o in getattr(optimizer, "chained_optimizers", [optimizer]) for m in _mains(o)]
+        fc.policy.measure(step, ids, pos, mask)
+        if s == 2:
+            after = dict(model.module.named_parameters())
+            out["params_unchanged"] = all(before[n].dtype == p.dtype and torch.equal(_bits(before[n]), _bits(p))
+                                          for n, p in after.items())
+            now = [m.detach() for o in getattr(optimizer, "chained_optimizers", [optimizer]) for m in _mains(o)]
+            out["shards_unchanged"] = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(shards, now))
+            # the views against the independently gathered masters (summed over DP) and the served copy
+            masters = full_master_and_served(model, optimizer)
+            view = MasterView(optimizer)
+            full, master_view_exact, served_is, differs = {}, True, True, 0
+            for local, (p, master, served) in masters.items():
+                got = view(p)
+                master_view_exact &= torch.equal(got.view(torch.int32), master.view(torch.int32))
+                differs += int(not torch.equal(served_view(p), got))
+                expert = not getattr(p, "allreduce", True)
+                name = fc.keys[id(p)].name  # canonical: global layer and expert ids, the TP=1 model's names
+                full[name] = {"served": tp_full(served_view(p), p, expert).cpu(), "master": tp_full(master, p, expert).cpu()}
+                whole = full[name]["master"].contiguous()  # the cast keys index the full (TP=1) tensor
+                want = (fair_cast(whole, key=derive_key(SEED, step, name), mode="stochastic")
+                        if faircast else whole.to(torch.bfloat16))
+                served_is &= torch.equal(full[name]["served"].to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
+            out.update(master_view_exact=master_view_exact, served_view_is=served_is, views_differ=differs,
+                       params=len(masters))
+            local_batches = [(ids, pos, mask)]
+        out["metrics"].append(fc.metrics())  # a collective over DP; every rank logs the same numbers
+        train_step(config, model, optimizer, s)
+    # the reference, on rank 0's view of every DP rank's batch: gather the batches of the TP-rank-0 ranks
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (tp_rank, [(i.cpu(), p.cpu(), m.cpu()) for i, p, m in local_batches], full))
+    batches = [b for rank_tp, bs, _ in gathered if rank_tp == 0 for b in bs]
+    full = {n: t for _, _, part in gathered for n, t in part.items()}  # every expert rank's experts
+    final = full_master_and_served(model, optimizer)
+    out["differs_from_control"] = [n for n in control if not (torch.equal(_bits(control[n][0]), _bits(final[n][1])) and
+                                   torch.equal(_bits(control[n][1]), _bits(final[n][2])))]
+    out["same_as_control"] = not out["differs_from_control"] and set(control) == set(final)
+    out["version"] = fc.caster.version
+    remove_megatron_patch(optimizer)
+    ps.destroy_model_parallel()  # the reference is a TP=1 model
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(SEED)
+    out["reference"] = policy_reference(opts, full, batches, seqs)
+    return out
+
+
+def _bits(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
 def run(name):
     opts = SCENARIOS[name]
     if name == "check_one_rank":
         return check_one_rank()
+    if opts.get("policy"):
+        return policy(name, opts)
     if opts.get("special"):
         return special(name)
     faircast = opts.get("faircast", True)

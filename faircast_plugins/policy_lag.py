@@ -108,7 +108,12 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
     module's other copy is alive at a time (the view is computed on the fly, e.g. a recovery or a cast of one
     weight). A parameter used outside its module's forward would be read unswapped: this serves modules that use
     their own weights (every ``nn.Linear``, ``nn.Embedding``, norm; a tied ``lm_head`` swaps its shared weight in its
-    own forward)."""
+    own forward).
+
+    The swap is the innermost of the module's hooks: the pre-hook is registered last (it runs after every pre-hook
+    already there, e.g. DeepSpeed ZeRO-3's all-gather of the module's partitions into ``p.data``) and the post-hook
+    first (``prepend=True``: it puts ``p.data`` back before every forward hook already there, e.g. ZeRO-3's release
+    of the gathered weights), so such hooks see their own tensors and ``view(p)`` reads the gathered parameter."""
     saved: Dict[int, List] = {}
 
     def pre(module, args):
@@ -129,7 +134,7 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
         for module in model.modules():
             if next(module.parameters(recurse=False), None) is not None:
                 handles.append(module.register_forward_pre_hook(pre))
-                handles.append(module.register_forward_hook(post))
+                handles.append(module.register_forward_hook(post, prepend=True))
         yield
     finally:
         for h in handles:

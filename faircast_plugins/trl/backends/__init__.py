@@ -172,6 +172,10 @@ class Backend:
         :class:`~faircast_plugins.policy_lag.PolicyLagProbe`."""
         raise NotImplementedError
 
+    def policy_scope(self):
+        """Around one measurement's forwards (e.g. DeepSpeed ZeRO-3 forgets its prefetch trace afterwards)."""
+        return nullcontext()
+
     def metrics(self) -> Dict[str, float]:
         """Summed over ranks (:func:`audit.reduce_metrics`: a collective when distributed; every rank calls
         ``Trainer.log``)."""

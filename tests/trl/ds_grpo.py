@@ -234,10 +234,16 @@ class Recorder(TrainerCallback):
             seen["served"], seen["master"] = {}, {}
             result = original(inputs, step, temperature)
             rows = fc.policy.pending[before:] if fc.policy.pending is not None else None
+            # ZeRO-3 bookkeeping after the probe: a parameter DeepSpeed marked released must hold no gathered data
+            module = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            stale = [canonical_name(n) for n, p in module.named_parameters()
+                     if getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE" and p.data.numel() != 0]
             if rows is not None and rows.shape[0]:
                 n = rows.shape[0]
                 self.probes.append({"step": step, "temperature": temperature, "rows": rows.clone(),
-                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]),
+                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
+                                    "released": sum(getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE"
+                                                    for p in module.parameters()),
                                     **{k: inputs[k][:n].detach().cpu().clone() for k in
                                        ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}})
             return result

@@ -455,6 +455,8 @@ def test_policy_metrics_equal_a_one_process_reference(request, tiny_model_dir, f
                 want = (expected_served(m, seed=SEED, version=probe["step"], name=n, mode="stochastic")
                         if stochastic else m.to(torch.bfloat16))
                 assert torch.equal(served[n], want), n
+            # ZeRO-3: after the probe every partitioned parameter is released again and holds no gathered data
+            assert probe["stale"] == [] and (probe["released"] > 0) == tag.startswith("z3"), probe["stale"]
             if probe["step"] > 0:
                 assert any(not torch.equal(probe["master_view"][n], probe["served_view"][n]) for n in masters)
             ref = _reference_rows(tiny_model_dir, probe, snap)

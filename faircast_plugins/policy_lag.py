@@ -170,11 +170,20 @@ def plain_forward(model: torch.nn.Module):
             model.forward = wrapped
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only attended tokens (left padding: the first real token is position 0), as trainers
+    that left-pad prompts pass them (OpenRLHF's ``Actor.forward``); padded positions get 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill_(attention_mask == 0, 1)
+
+
 def _completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       completion: int) -> torch.Tensor:
-    """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids``."""
+                       completion: int, mask_positions: bool = False) -> torch.Tensor:
+    """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids`` (with
+    ``mask_positions``, position ids from :func:`positions_from_mask`; else the model's default)."""
+    extra = {"position_ids": positions_from_mask(attention_mask)} if mask_positions else {}
     with plain_forward(model):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[:, -completion - 1:-1].float()
 
@@ -205,8 +214,10 @@ class PolicyLagProbe:
     def measure(self, model: torch.nn.Module, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
                 served: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
-                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0) -> None:
-        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`."""
+                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0,
+                mask_positions: bool = False) -> None:
+        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`
+        (``mask_positions``: position ids from the attention mask, for trainers that score left-padded sequences so)."""
         self.measured_step = step
         rows = []
         device_type = completion_ids.device.type
@@ -222,9 +233,9 @@ class PolicyLagProbe:
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
                     with weights_swapped(model, served):
-                        s = _completion_logits(model, ids, att, length)
+                        s = _completion_logits(model, ids, att, length, mask_positions)
                     with weights_swapped(model, master):
-                        m = _completion_logits(model, ids, att, length)
+                        m = _completion_logits(model, ids, att, length, mask_positions)
                     rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
                     del s, m
         finally:

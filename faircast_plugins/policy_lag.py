@@ -215,9 +215,14 @@ class PolicyLagProbe:
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
                 served: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
                 master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0,
-                mask_positions: bool = False) -> None:
+                mask_positions: bool = False, collective: bool = False) -> None:
         """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`
-        (``mask_positions``: position ids from the attention mask, for trainers that score left-padded sequences so)."""
+        (``mask_positions``: position ids from the attention mask, for trainers that score left-padded sequences so).
+
+        ``collective``: the forwards communicate (a view that assembles a sharded master, ZeRO-3's or FSDP's gathers
+        in the module hooks), so every rank must run as many as the others: the chunking follows each rank's own
+        sequence count and length, so the ranks agree on the most any of them needs (an all-reduce) and a rank with
+        fewer runs the extra ones on its first chunk again, its rows discarded."""
         self.measured_step = step
         rows = []
         device_type = completion_ids.device.type
@@ -228,7 +233,11 @@ class PolicyLagProbe:
         model.eval()  # no dropout: both views score the same function of the weights
         try:
             with torch.autocast(device_type=device_type, enabled=False):
-                for i in range(0, count, chunk):  # as many sequences per forward as the logit budget allows
+                starts = list(range(0, count, chunk))  # as many sequences per forward as the logit budget allows
+                if collective:
+                    starts += [None] * (_most_over_ranks(len(starts)) - len(starts))
+                for start in starts:
+                    i = 0 if start is None else start  # None: a forward only the other ranks' collectives need
                     j = min(count, i + chunk)
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
@@ -236,7 +245,8 @@ class PolicyLagProbe:
                         s = _completion_logits(model, ids, att, length, mask_positions)
                     with weights_swapped(model, master):
                         m = _completion_logits(model, ids, att, length, mask_positions)
-                    rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
+                    if start is not None:
+                        rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
                     del s, m
         finally:
             model.train(was_training)
@@ -248,6 +258,23 @@ class PolicyLagProbe:
         rows = self.pending if self.pending is not None else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
         self.pending = None
         return rows
+
+
+def _collective_device():
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _most_over_ranks(n: int) -> int:
+    """The largest ``n`` over the ranks (a collective when torch.distributed is initialised: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    most = torch.tensor([n], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def refuse_policy_metrics(caster, where: str) -> None:

@@ -66,7 +66,7 @@ def measure(engine, experience, temperature: float) -> None:
     with probing(engine):
         probe.measure(engine.module, step, sequences[:, :-actions], attention_mask[:, :-actions],
                       sequences[:, -actions:], action_mask.long(), served=served, master=master,
-                      temperature=temperature, mask_positions=True)
+                      temperature=temperature, mask_positions=True, collective=True)
 
 
 def install(policy_actor) -> None:

@@ -181,7 +181,8 @@ class FairCastCallback(TrainerCallback):
             mask = mask * inputs["tool_mask"]
         with self.backend.policy_scope():
             self.policy.measure(self.backend.model(), step, inputs["prompt_ids"], inputs["prompt_mask"],
-                                inputs["completion_ids"], mask, served=served, master=master, temperature=temperature)
+                                inputs["completion_ids"], mask, served=served, master=master, temperature=temperature,
+                                collective=self.backend.policy_collective)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:

@@ -44,6 +44,8 @@ class Backend:
 
     #: the policy's own parameters hold the served copy (one process or DDP with Fair Cast on)
     shadow = False
+    #: the policy probe's forwards communicate (its views or the model's hooks): every rank runs as many
+    policy_collective = False
 
     def __init__(self, trainer, caster: FairCaster):
         self.trainer, self.caster, self.config = trainer, caster, caster.config

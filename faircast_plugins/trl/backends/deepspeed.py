@@ -22,6 +22,7 @@ from . import INFO_FILE, Backend
 
 
 class DeepSpeedBackend(Backend):
+    policy_collective = True  # the master view assembles each master from every rank's partition
     def __init__(self, trainer, caster):
         super().__init__(trainer, caster)
         self.attached = None  # the DeepSpeedFairCast of the trainer's engine

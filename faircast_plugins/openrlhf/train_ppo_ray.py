@@ -43,9 +43,9 @@ def add_faircast_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--faircast.audit", dest="faircast.audit", action="store_true", default=False,
                        help="log faircast/* metrics (lag of the served copy behind the fp32 master)")
     group.add_argument("--faircast.policy_metrics_every", dest="faircast.policy_metrics_every", default=0,
-                       help="every N optimizer steps, log faircast/policy_* (per-token KL and effective sample fraction "
-                            "between the served copy and the fp32 master on a few sequences of the batch); 0 = off "
-                            "(default). Works without --faircast too")
+                       help="every N optimizer steps, log faircast/policy_* (per-token KL and effective sample "
+                            "fraction between the served copy and the fp32 master on a few sequences of the batch); "
+                            "0 = off (default). Works without --faircast too")
     group.add_argument("--faircast.policy_metrics_seqs", dest="faircast.policy_metrics_seqs", default=2,
                        help="sequences per rank the faircast/policy_* metrics score (default 2)")
 
@@ -83,7 +83,8 @@ def _wrap_parse_args(original):
         ns = original(self, args, namespace)
         try:
             config = config_from_namespace(ns)
-            refusal = refused_option(lambda dotted, default: getattr(ns, dotted, default), config) if config.active else None
+            get = lambda dotted, default: getattr(ns, dotted, default)  # noqa: E731
+            refusal = refused_option(get, config) if config.active else None
             if refusal:
                 raise ValueError(refusal)
         except ValueError as exc:

@@ -6,7 +6,8 @@
 --faircast.policy_metrics_seqs 2 --rollout.temperature TEMPERATURE`` (also with ``off``: then only the probe is
 attached) and trains through the probe's wrapper of ``ActorPPOTrainer.training_step`` (:mod:`faircast_plugins.openrlhf.
 policy_probe`'s ``install``, as the Ray actor's init installs it), recording each measurement's tokens, rows and the
-two weight views as the probe's forwards read them. The batch left-pads its second sequence and ends the first one's response early.
+two weight views as the probe's forwards read them. The batch left-pads its second sequence and ends the first
+one's response early.
 
 Trains a tiny Qwen2 (bf16, built on the fly) for a few PPO steps the way ``ActorPPOTrainer.training_step``
 does (old log-probs from the eval forward, new log-probs, ``PolicyLoss``, ``strategy.backward`` and
@@ -140,8 +141,8 @@ def record_probe(actor, holder, names):
                      "name", None) == "NOT_AVAILABLE" and p.data.numel() != 0]
             probes.append({"step": int(engine.global_steps), "temperature": temperature, "rows": rows.clone(),
                            "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
-                           "sequences": experience.sequences.clone(), "attention_mask": experience.attention_mask.clone(),
-                           "action_mask": experience.action_mask.clone()})
+                           "sequences": experience.sequences.clone(), "action_mask": experience.action_mask.clone(),
+                           "attention_mask": experience.attention_mask.clone()})
 
     policy_probe.measure = measure
     return probes

@@ -63,7 +63,7 @@ def tiny_qwen2(path: str) -> None:
 
 
 def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: bool = False, ema: bool = False,
-                  policy: bool = False):
+                  policy_metrics: bool = False):
     """OpenRLHF's hierarchized args exactly as its CLI builds them, through the Fair Cast wrapper.
 
     With ``keep_patches`` the policy-actor patch the CLI installed stays (a Ray test then creates actors).
@@ -95,7 +95,7 @@ def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: boo
     ] + (["--faircast", "--faircast.seed", str(SEED), "--faircast.audit"] if faircast else []) + (
         ["--faircast.ema_decay", str(EMA_DECAY)] if ema else []) + (
         ["--faircast.policy_metrics_every", "1", "--faircast.policy_metrics_seqs", "2",
-         "--rollout.temperature", str(TEMPERATURE)] if policy else [])
+         "--rollout.temperature", str(TEMPERATURE)] if policy_metrics else [])
     try:
         main(argv)
     except Launched:
@@ -168,7 +168,7 @@ def main(out_file: str, stage: int, flag: str, policy: bool = False) -> None:
     model_path = tempfile.mkdtemp(prefix="tiny-qwen2-")
     tiny_qwen2(model_path)
     faircast = flag != "off"
-    args, get_strategy = openrlhf_args(model_path, stage, faircast, ema=flag == "ema", policy=policy)
+    args, get_strategy = openrlhf_args(model_path, stage, faircast, ema=flag == "ema", policy_metrics=policy)
     strategy = get_strategy(args)
     strategy.world_size, strategy.accumulated_gradient = 1, 1  # what setup_distributed computes at world size 1
 

@@ -68,7 +68,7 @@ def policy_worker(ray_cluster, tmp_path_factory):
     model_path = str(tmp_path_factory.mktemp("ray") / "tiny")
     setup.tiny_qwen2(model_path)
     # Parsed by OpenRLHF's CLI through the wrapper, which patches the class Ray will ship.
-    args, get_strategy = setup.openrlhf_args(model_path, 2, True, keep_patches=True, policy=True)
+    args, get_strategy = setup.openrlhf_args(model_path, 2, True, keep_patches=True, policy_metrics=True)
     strategy = get_strategy(args)
     shipped = PolicyModelActor.__ray_metadata__.modified_class
     out = {"shipped_init": shipped.init_model_from_pretrained, "shipped_fit": shipped.fit,

@@ -19,6 +19,11 @@ run follows. Checked:
   module's bf16 weights, which equal that reference at every version, and TRL's in-place bf16 cast leaves the
   parameters as they are and (Fair Cast on) the buffers as DeepSpeed had them.
 
+* ``faircast_policy_metrics_every=1`` under ZeRO-2 and ZeRO-3, one and two processes: the weight views the probe's
+  forwards read are the step's served copy and fp32 masters bit for bit, its rows equal a one-process fp32 reference,
+  the logged metrics are those of every rank's rows, ZeRO-3 leaves no released parameter holding gathered data, and
+  training with the probe is bit-identical to training without it.
+
 Negative controls: with Fair Cast off the same runs (one and two processes, offload, vLLM) hold DeepSpeed's
 round-to-nearest copy of the masters, which differs from the Fair Cast copy.
 

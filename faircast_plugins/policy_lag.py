@@ -161,6 +161,11 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
     own forward). ``shared``: parameters a module is handed by its parent and reads in its forward besides its own (a
     Megatron output layer given the tied embedding's weight), swapped around that module's forward too.
 
+    The swap is the innermost of the module's hooks: the pre-hook is registered last (it runs after every pre-hook
+    already there, e.g. DeepSpeed ZeRO-3's all-gather of the module's partitions into ``p.data``) and the post-hook
+    first (``prepend=True``: it puts ``p.data`` back before every forward hook already there, e.g. ZeRO-3's release
+    of the gathered weights), so such hooks see their own tensors and ``view(p)`` reads the gathered parameter.
+
     ``rebind=False`` swaps ``p.data``. ``rebind=True`` leaves every Parameter object untouched and puts the view in its
     module's ``_parameters`` slot for the forward (a ``shared`` one: in the forward's arguments): needed where the view
     has another dtype than ``p`` and something holds ``p``'s gradient accumulator (torch resets it when ``p.data``
@@ -206,7 +211,7 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
         for module in model.modules():
             if next(module.parameters(recurse=False), None) is not None or id(module) in extra:
                 handles.append(module.register_forward_pre_hook(swap_in, with_kwargs=True))
-                handles.append(module.register_forward_hook(post))
+                handles.append(module.register_forward_hook(post, prepend=True))
         yield
     finally:
         for h in handles:
@@ -241,11 +246,20 @@ def plain_forward(model: torch.nn.Module):
             model.forward = wrapped
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only attended tokens (left padding: the first real token is position 0), as trainers
+    that left-pad prompts pass them (OpenRLHF's ``Actor.forward``); padded positions get 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill_(attention_mask == 0, 1)
+
+
 def _completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       completion: int) -> torch.Tensor:
-    """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids``."""
+                       completion: int, mask_positions: bool = False) -> torch.Tensor:
+    """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids`` (with
+    ``mask_positions``, position ids from :func:`positions_from_mask`; else the model's default)."""
+    extra = {"position_ids": positions_from_mask(attention_mask)} if mask_positions else {}
     with plain_forward(model):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[:, -completion - 1:-1].float()
 
@@ -276,8 +290,15 @@ class PolicyLagProbe:
     def measure(self, model: torch.nn.Module, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
                 served: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
-                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0) -> None:
-        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`."""
+                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0,
+                mask_positions: bool = False, collective: bool = False) -> None:
+        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`
+        (``mask_positions``: position ids from the attention mask, for trainers that score left-padded sequences so).
+
+        ``collective``: the forwards communicate (a view that assembles a sharded master, ZeRO-3's or FSDP's gathers
+        in the module hooks), so every rank must run as many as the others: the chunking follows each rank's own
+        sequence count and length, so the ranks agree on the most any of them needs (an all-reduce) and a rank with
+        fewer runs the extra ones on its first chunk again, its rows discarded."""
         self.measured_step = step
         rows = []
         device_type = completion_ids.device.type
@@ -288,15 +309,20 @@ class PolicyLagProbe:
         model.eval()  # no dropout: both views score the same function of the weights
         try:
             with torch.autocast(device_type=device_type, enabled=False):
-                for i in range(0, count, chunk):  # as many sequences per forward as the logit budget allows
+                starts = list(range(0, count, chunk))  # as many sequences per forward as the logit budget allows
+                if collective:
+                    starts += [None] * (_most_over_ranks(len(starts)) - len(starts))
+                for start in starts:
+                    i = 0 if start is None else start  # None: a forward only the other ranks' collectives need
                     j = min(count, i + chunk)
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
                     with weights_swapped(model, served):
-                        s = _completion_logits(model, ids, att, length)
+                        s = _completion_logits(model, ids, att, length, mask_positions)
                     with weights_swapped(model, master):
-                        m = _completion_logits(model, ids, att, length)
-                    rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
+                        m = _completion_logits(model, ids, att, length, mask_positions)
+                    if start is not None:
+                        rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
                     del s, m
         finally:
             model.train(was_training)
@@ -308,6 +334,23 @@ class PolicyLagProbe:
         rows = self.pending if self.pending is not None else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
         self.pending = None
         return rows
+
+
+def _collective_device():
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _most_over_ranks(n: int) -> int:
+    """The largest ``n`` over the ranks (a collective when torch.distributed is initialised: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    most = torch.tensor([n], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def refuse_policy_metrics(caster, where: str) -> None:

@@ -33,7 +33,7 @@ def check_step_bench_smoke(driver: list, tmp_path, *, one_process_masters: bool 
     rows = {r["arm"]: r for r in result["rows"]}
     probes = ["flag off + policy probe", "stochastic + policy probe"] if "--policy-seqs" in driver else []
     assert list(rows) == ["flag off", "stochastic", "error_feedback + audit", *probes]
-    if probes:  # trl_plain.py --policy-seqs: the faircast/policy_* probe ran each step and its cost line printed
+    if probes:  # --policy-seqs (trl_plain.py, deepspeed_zero.py): the probe ran each step and its cost line printed
         assert "cost per step at faircast_policy_metrics_every=10" in run.stdout
         assert run.stdout.count("probe every step") == 2
     assert result["smoke"] and result["reps"] == 1 and result["params"] > 0

@@ -6,7 +6,13 @@ Each arm is a real ``deepspeed.initialize`` engine (bf16, torch's AdamW: no C++ 
 step is ``engine(ids)`` -> loss, ``engine.backward``, ``engine.step()``, then the weight sync a vLLM engine
 receives (each parameter, gathered under ZeRO-3, copied out in bf16, as OpenRLHF's broadcast reads it).
 
-    python benchmarks/step/deepspeed_zero.py --stage 2 [--smoke] [--reps N] [--world 2]
+    python benchmarks/step/deepspeed_zero.py --stage 2 [--smoke] [--reps N] [--world 2] [--policy-seqs K]
+
+``--policy-seqs K`` adds "flag off + policy probe" and "stochastic + policy probe": before every step the
+``faircast/policy_*`` probe scores K sequences of the rank's batch the way OpenRLHF's policy actor does
+(:mod:`faircast_plugins.openrlhf.policy_probe`: the DeepSpeed views of :mod:`faircast_plugins.deepspeed.policy_views`,
+positions from the mask, every rank as many forwards; TRL's DeepSpeed backend runs the same views). Probe arm / base
+arm - 1, divided by N, is its cost per step at ``policy_metrics_every: N`` (printed for N = 10).
 """
 from __future__ import annotations
 
@@ -58,28 +64,45 @@ def _tensors_of(obj, depth: int = 3):
     return out
 
 
-def make_arm_factory(stage: int, size: harness.Size, backend: str):
+def make_arm_factory(stage: int, size: harness.Size, backend: str, policy_seqs: int = 0):
+    from types import SimpleNamespace
+
     import deepspeed
 
     from faircast_plugins import FairCastConfig, FairCaster
     from faircast_plugins.deepspeed import apply_deepspeed_patch
+    from faircast_plugins.openrlhf import policy_probe
 
     ids = harness.batch(size, seed=1 + torch.distributed.get_rank())
 
+    from trl_plain import PROBE
+
     def make(label: str, mode, audit: bool) -> harness.Arm:
+        probe = label.endswith(PROBE)
         model = harness.build_model(size).to(torch.bfloat16)
         params = harness.count_params(model)
         with harness.quiet_logs():
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                               config=ds_config(stage, size))
         config = FairCastConfig(enabled=mode is not None, mode=mode or "stochastic", audit=audit, seed=1234,
-                                backend=backend)
+                                backend=backend, policy_metrics_every=1 if probe else 0,
+                                policy_metrics_seqs=max(1, policy_seqs))
+        caster = FairCaster(config)
+        caster.policy_measured = probe  # as the adapters do when they attach the probe
         with harness.quiet_logs():
-            fc = apply_deepspeed_patch(engine, FairCaster(config))
+            fc = apply_deepspeed_patch(engine, caster)
         named = list(engine.module.named_parameters())
         sent = {}
+        prompt = max(1, size.seq // 4)
+        experience = SimpleNamespace(sequences=ids, attention_mask=torch.ones_like(ids),
+                                     action_mask=torch.ones_like(ids[:, prompt:]))
+        if probe:
+            policy_probe.attach(SimpleNamespace(model=engine, is_vlm=False), config)
 
         def step() -> None:
+            if probe:  # what OpenRLHF's wrapped training_step does on a due step, before the update
+                policy_probe.measure(engine, experience, 1.0)
+                policy_probe.take_metrics(engine)
             loss = harness.lm_loss(engine, ids)
             engine.backward(loss)
             engine.step()
@@ -105,9 +128,12 @@ def make_arm_factory(stage: int, size: harness.Size, backend: str):
 
 def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     from faircast_plugins.deepspeed import patch
+    from faircast_plugins.openrlhf import policy_probe
 
     if arm.fc is None:
         return
+    if arm.label.endswith(" + policy probe"):
+        timers.wrap(policy_probe, "measure", "hook: policy probe")
     timers.wrap(patch._CopyBackInterceptor, "copy_", "hook: copy-back copy_ (cast + copies)")
     timers.wrap(patch, "_copy_back_problem", "hook: copy-back check")
     timers.wrap(patch, "_on_any_rank", "hook: check all-reduce")
@@ -120,6 +146,9 @@ def main() -> int:
     parser = harness.arguments(__doc__.split("\n")[0])
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2)
     parser.add_argument("--world", type=int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument("--policy-seqs", type=int, default=0,
+                        help="also time the faircast/policy_* probe on this many sequences per rank and step (arms "
+                             "'flag off + policy probe', 'stochastic + policy probe')")
     args = parser.parse_args()
     harness.as_ranks(args.world)
     size = harness.settle(args)
@@ -130,7 +159,16 @@ def main() -> int:
     path = f"DeepSpeed ZeRO-{args.stage}, {args.world} gloo ranks (TRL and OpenRLHF: apply_deepspeed_patch)"
     params = harness.count_params(harness.build_model(size))
     harness.header(path, size, params, args, extra=f"deepspeed {deepspeed.__version__}")
-    harness.measure(path, make_arm_factory(args.stage, size, args.backend), hooks, params, args, mem_target=MEM_TARGET)
+    from trl_plain import PROBE, policy_summary
+
+    if args.policy_seqs:
+        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
+        if args.arms:
+            args.arms += f",flag off{PROBE},stochastic{PROBE}"
+    result = harness.measure(path, make_arm_factory(args.stage, size, args.backend, args.policy_seqs), hooks, params,
+                             args, mem_target=MEM_TARGET)
+    if args.policy_seqs and torch.distributed.get_rank() == 0:
+        policy_summary(result, args.policy_seqs, size)
     torch.distributed.destroy_process_group()
     return 0
 

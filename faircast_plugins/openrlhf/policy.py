@@ -21,6 +21,7 @@ from ..caster import FairCaster
 from ..config import FairCastConfig
 from ..lag_cost import VERSION_KEY, tracker_of
 from ..patching import FairCastPatchError, PatchSet
+from . import policy_probe
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -52,12 +53,14 @@ REFUSED_OPTIONS = (
 )
 
 
-def refused_option(get) -> Optional[str]:
+def refused_option(get, config: Optional[FairCastConfig] = None) -> Optional[str]:
     """Why Fair Cast refuses this run's OpenRLHF options (None if it does not); ``get(dotted, default)`` reads one."""
     for dotted, default, message in REFUSED_OPTIONS:
         value = get(dotted, default)
         if value is not None and value != default:
             return message
+    if config is not None and config.measures_policy:
+        return policy_probe.refusal(get)
     return None
 
 
@@ -72,29 +75,37 @@ def _option(args, dotted: str, default):
 def check_supported(args) -> FairCastConfig:
     """The run's Fair Cast config; raises for OpenRLHF options Fair Cast refuses."""
     config = config_from_args(args)
-    refusal = refused_option(lambda dotted, default: _option(args, dotted, default)) if config.active else None
+    refusal = refused_option(lambda dotted, default: _option(args, dotted, default), config) if config.active else None
     if refusal:
         raise FairCastPatchError(refusal)
     return config
 
 
 def attach_to_policy(policy_actor, args) -> None:
-    """Give the policy actor's DeepSpeed engine (``policy_actor.actor.model``) Fair Cast per ``args.faircast``."""
+    """Give the policy actor's DeepSpeed engine (``policy_actor.actor.model``) Fair Cast per ``args.faircast``, and
+    its ``faircast/policy_*`` probe with ``--faircast.policy_metrics_every``."""
     from ..deepspeed import apply_deepspeed_patch
 
     config = check_supported(args)
     if not config.active:
         return
     engine = policy_actor.actor.model
-    apply_deepspeed_patch(engine, FairCaster(config))
+    caster = FairCaster(config)
+    if config.measures_policy:
+        policy_probe.attach(policy_actor.actor, config)
+        caster.policy_measured = True  # the copy-back patch then accepts the option
+    apply_deepspeed_patch(engine, caster)
 
 
 def policy_metrics(engine) -> dict:
-    """``faircast/*`` metrics of the policy engine since the last call, summed over all ranks (a collective)."""
+    """``faircast/*`` metrics of the policy engine since the last call, summed over all ranks, and the
+    ``faircast/policy_*`` ones of every rank's measured sequences (collectives: every rank calls it)."""
     from ..audit import reduce_metrics
 
     fc = engine.__dict__.get("_faircast")
-    return reduce_metrics(fc.caster) if fc is not None else {}
+    out = reduce_metrics(fc.caster) if fc is not None else {}
+    out.update(policy_probe.take_metrics(engine))
+    return out
 
 
 # -- what runs inside the Ray actor (stored by reference in the shipped class) ---------------------------------
@@ -112,6 +123,8 @@ def init_model_from_pretrained(self, strategy, *args, **kwargs):
         install_deepspeed_patch()  # before the init, so a checkpoint load records where Fair Cast state lives
     result = _original("init_model_from_pretrained")(self, strategy, *args, **kwargs)
     attach_to_policy(self, strategy.args)
+    if config_from_args(strategy.args).measures_policy:
+        policy_probe.install(self)  # measures inside the actor's ActorPPOTrainer.training_step
     return result
 
 

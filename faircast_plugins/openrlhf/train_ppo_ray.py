@@ -7,6 +7,8 @@ The same run as ``python -m openrlhf.cli.train_ppo_ray`` plus Fair Cast on the p
     --faircast.seed N            run seed keying the rounding noise (default 0)
     --faircast.ema_decay B       serve fair_cast(EMA of the fp32 master), decay B in [0, 1); 0 = off (default)
     --faircast.audit             log faircast/* lag metrics (also without --faircast: measures the baseline)
+    --faircast.policy_metrics_every N   every N optimizer steps, faircast/policy_* (KL, ESS/n served vs master)
+    --faircast.policy_metrics_seqs K    sequences per rank those score (default 2)
 
 OpenRLHF builds its parser inline under ``if __name__ == "__main__":``, so the flags are added to it
 when it parses (a one-shot wrap of ``ArgumentParser.parse_args``) and the module is then run as
@@ -40,6 +42,12 @@ def add_faircast_arguments(parser: argparse.ArgumentParser) -> None:
                             "the optimizer still trains the master")
     group.add_argument("--faircast.audit", dest="faircast.audit", action="store_true", default=False,
                        help="log faircast/* metrics (lag of the served copy behind the fp32 master)")
+    group.add_argument("--faircast.policy_metrics_every", dest="faircast.policy_metrics_every", default=0,
+                       help="every N optimizer steps, log faircast/policy_* (per-token KL and effective sample "
+                            "fraction between the served copy and the fp32 master on a few sequences of the batch); "
+                            "0 = off (default). Works without --faircast too")
+    group.add_argument("--faircast.policy_metrics_seqs", dest="faircast.policy_metrics_seqs", default=2,
+                       help="sequences per rank the faircast/policy_* metrics score (default 2)")
 
 
 def config_from_namespace(ns: argparse.Namespace) -> FairCastConfig:
@@ -50,13 +58,17 @@ def config_from_namespace(ns: argparse.Namespace) -> FairCastConfig:
         "seed": getattr(ns, "faircast.seed"),
         "ema_decay": getattr(ns, "faircast.ema_decay"),
         "audit": getattr(ns, "faircast.audit"),
+        "policy_metrics_every": getattr(ns, "faircast.policy_metrics_every"),
+        "policy_metrics_seqs": getattr(ns, "faircast.policy_metrics_seqs"),
     })
 
 
 def _normalize(ns: argparse.Namespace, config: FairCastConfig) -> None:
     """Store the validated, typed values, so every actor reads the same config."""
     for field, value in (("enable", config.enabled), ("mode", config.mode), ("seed", config.seed),
-                         ("ema_decay", config.ema_decay), ("audit", config.audit)):
+                         ("ema_decay", config.ema_decay), ("audit", config.audit),
+                         ("policy_metrics_every", config.policy_metrics_every),
+                         ("policy_metrics_seqs", config.policy_metrics_seqs)):
         setattr(ns, f"faircast.{field}", value)
 
 
@@ -71,7 +83,8 @@ def _wrap_parse_args(original):
         ns = original(self, args, namespace)
         try:
             config = config_from_namespace(ns)
-            refusal = refused_option(lambda dotted, default: getattr(ns, dotted, default)) if config.active else None
+            get = lambda dotted, default: getattr(ns, dotted, default)  # noqa: E731
+            refusal = refused_option(get, config) if config.active else None
             if refusal:
                 raise ValueError(refusal)
         except ValueError as exc:

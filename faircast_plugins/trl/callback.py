@@ -179,8 +179,10 @@ class FairCastCallback(TrainerCallback):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:  # tokens the loss does not train (tool outputs) do not count
             mask = mask * inputs["tool_mask"]
-        self.policy.measure(self.backend.model(), step, inputs["prompt_ids"], inputs["prompt_mask"],
-                            inputs["completion_ids"], mask, served=served, master=master, temperature=temperature)
+        with self.backend.policy_scope():
+            self.policy.measure(self.backend.model(), step, inputs["prompt_ids"], inputs["prompt_mask"],
+                                inputs["completion_ids"], mask, served=served, master=master, temperature=temperature,
+                                collective=self.backend.policy_collective)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:

@@ -352,3 +352,50 @@ def test_rebind_keeps_the_gradient_accumulator_hooks_a_dtype_changing_swap_drops
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
         model(x.to(torch.bfloat16)).sum().backward()
         assert bool(fired) == survives, (rebind, len(fired))
+
+
+def _forwards_per_rank(rank, world, port, out_dir):
+    """One rank of test_collective_probe_runs_as_many_forwards_on_every_rank (gloo)."""
+    import os
+
+    import torch.distributed as dist
+
+    import faircast_plugins.policy_lag as pl
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        pl.LOGIT_BUDGET = 1  # one sequence per forward: rank 0 (2 sequences) needs 2, rank 1 (4 sequences) 4
+        model, other = TinyLM(0), TinyLM(1)
+        served_of = {id(p): q.detach() for p, q in zip(model.parameters(), other.parameters())}
+        forwards = []
+        model.register_forward_pre_hook(lambda m, a: forwards.append(1))  # where ZeRO-3 would all-gather
+        result = {}
+        for collective in (False, True):
+            forwards.clear()
+            probe = PolicyLagProbe(every=1, seqs=4)
+            probe.measure(model, 0, *_batch(seqs=2 + 2 * rank), served=lambda p: served_of[id(p)],
+                          master=lambda p: None, collective=collective)
+            result[collective] = (len(forwards), probe.take())
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_probe_runs_as_many_forwards_on_every_rank(tmp_path):
+    """The views of DeepSpeed (and ZeRO-3's hooks) are collectives: a rank whose sequences need fewer chunked forwards
+    than another's must still run as many (else the ranks' all-reduces pair up across different parameters, or hang).
+    With ``collective=True`` both ranks run the most any needs, and the extra forwards add no rows."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_forwards_per_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert [r[False][0] for r in ranks] == [4, 8]  # per-rank chunking: 2 views x 2 and 2 views x 4 forwards
+    assert [r[True][0] for r in ranks] == [8, 8]
+    for r, seqs in zip(ranks, (2, 4)):
+        assert r[True][1].shape[0] == seqs and torch.equal(r[True][1], r[False][1])

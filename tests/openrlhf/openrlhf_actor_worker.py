@@ -1,8 +1,13 @@
 """OpenRLHF's own policy path on CPU: args from its CLI, its DeepspeedStrategy, Actor, PolicyLoss.
 
-    python openrlhf_actor_worker.py OUT_FILE ZERO_STAGE FAIRCAST(on|off|ema)
+    python openrlhf_actor_worker.py OUT_FILE ZERO_STAGE FAIRCAST(on|off|ema) [policy]
 
-``ema`` adds ``--faircast.ema_decay EMA_DECAY``.
+``ema`` adds ``--faircast.ema_decay EMA_DECAY``. ``policy`` adds ``--faircast.policy_metrics_every 1
+--faircast.policy_metrics_seqs 2 --rollout.temperature TEMPERATURE`` (also with ``off``: then only the probe is
+attached) and trains through the probe's wrapper of ``ActorPPOTrainer.training_step`` (:mod:`faircast_plugins.openrlhf.
+policy_probe`'s ``install``, as the Ray actor's init installs it), recording each measurement's tokens, rows and the
+two weight views as the probe's forwards read them. The batch left-pads its second sequence and ends the first
+one's response early.
 
 Trains a tiny Qwen2 (bf16, built on the fly) for a few PPO steps the way ``ActorPPOTrainer.training_step``
 does (old log-probs from the eval forward, new log-probs, ``PolicyLoss``, ``strategy.backward`` and
@@ -37,6 +42,7 @@ shims.install()
 SEED = 1234
 STEPS = 3
 EMA_DECAY = 0.5
+TEMPERATURE = 0.8
 
 
 def tiny_qwen2(path: str) -> None:
@@ -56,7 +62,8 @@ def tiny_qwen2(path: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
 
 
-def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: bool = False, ema: bool = False):
+def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: bool = False, ema: bool = False,
+                  policy_metrics: bool = False):
     """OpenRLHF's hierarchized args exactly as its CLI builds them, through the Fair Cast wrapper.
 
     With ``keep_patches`` the policy-actor patch the CLI installed stays (a Ray test then creates actors).
@@ -86,7 +93,9 @@ def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: boo
         "--actor.num_gpus_per_node", "1",
         "--actor.adam.lr", "1e-5", "--actor.lr_warmup_ratio", "0", "--actor.lr_scheduler", "constant",
     ] + (["--faircast", "--faircast.seed", str(SEED), "--faircast.audit"] if faircast else []) + (
-        ["--faircast.ema_decay", str(EMA_DECAY)] if ema else [])
+        ["--faircast.ema_decay", str(EMA_DECAY)] if ema else []) + (
+        ["--faircast.policy_metrics_every", "1", "--faircast.policy_metrics_seqs", "2",
+         "--rollout.temperature", str(TEMPERATURE)] if policy_metrics else [])
     try:
         main(argv)
     except Launched:
@@ -98,7 +107,48 @@ def openrlhf_args(model_path: str, stage: int, faircast: bool, keep_patches: boo
     return captured["args"], real_get_strategy
 
 
-def main(out_file: str, stage: int, flag: str) -> None:
+def record_probe(actor, holder, names):
+    """Wrap the probe's measuring so each measurement's tokens, rows and weight views are recorded."""
+    from faircast_plugins.deepspeed import policy_views
+    from faircast_plugins.openrlhf import policy_probe
+
+    probes, seen = [], {}
+    views = policy_views.deepspeed_policy_views
+
+    def recorded_views():
+        def record(kind, view):
+            def wrapped(p):
+                out = view(p)
+                if id(p) in names and names[id(p)] not in seen[kind]:
+                    seen[kind][names[id(p)]] = (out if out is not None else p.data).detach().float().clone()
+                return out
+            return wrapped
+
+        served, master = views()
+        return record("served", served), record("master", master)
+
+    policy_views.deepspeed_policy_views = recorded_views
+    original = policy_probe.measure
+
+    def measure(engine, experience, temperature):
+        probe = engine.__dict__[policy_probe.PROBE_ATTR]
+        before = probe.pending.shape[0] if probe.pending is not None else 0
+        seen["served"], seen["master"] = {}, {}
+        original(engine, experience, temperature)
+        rows = probe.pending[before:] if probe.pending is not None else None
+        if rows is not None and rows.shape[0]:
+            stale = [names[id(p)] for p in engine.module.parameters() if getattr(getattr(p, "ds_status", None),
+                     "name", None) == "NOT_AVAILABLE" and p.data.numel() != 0]
+            probes.append({"step": int(engine.global_steps), "temperature": temperature, "rows": rows.clone(),
+                           "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
+                           "sequences": experience.sequences.clone(), "action_mask": experience.action_mask.clone(),
+                           "attention_mask": experience.attention_mask.clone()})
+
+    policy_probe.measure = measure
+    return probes
+
+
+def main(out_file: str, stage: int, flag: str, policy: bool = False) -> None:
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401
     from deepspeed.utils import safe_get_full_fp32_param
@@ -118,7 +168,7 @@ def main(out_file: str, stage: int, flag: str) -> None:
     model_path = tempfile.mkdtemp(prefix="tiny-qwen2-")
     tiny_qwen2(model_path)
     faircast = flag != "off"
-    args, get_strategy = openrlhf_args(model_path, stage, faircast, ema=flag == "ema")
+    args, get_strategy = openrlhf_args(model_path, stage, faircast, ema=flag == "ema", policy_metrics=policy)
     strategy = get_strategy(args)
     strategy.world_size, strategy.accumulated_gradient = 1, 1  # what setup_distributed computes at world size 1
 
@@ -154,14 +204,16 @@ def main(out_file: str, stage: int, flag: str) -> None:
 
     actor, optim, sched = build_policy()
     engine = actor.model
-    assert (engine.__dict__.get("_faircast") is not None) == faircast
+    assert (engine.__dict__.get("_faircast") is not None) == (faircast or policy)
 
     loss_fn = PolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
                          token_level_loss=args.actor.loss_agg_mode == "token-mean")
     g = torch.Generator().manual_seed(3)
     sequences = torch.randint(0, 320, (2, 12), generator=g)
     attention_mask = torch.ones_like(sequences)
+    attention_mask[1, :2] = 0  # a left-padded prompt
     action_mask = torch.ones(2, 4, dtype=torch.bool)
+    action_mask[0, -1] = False  # a response that ended early
     advantages = torch.randn(2, 4, generator=g)
 
     record = {"served": [], "masters": [], "trainer_logits": [], "served_logits": [], "versions": [], "metrics": [],
@@ -170,15 +222,32 @@ def main(out_file: str, stage: int, flag: str) -> None:
     for name, param in actor.model.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=stage == 3):
             record["initial"][name] = param.data.detach().clone()
-    for step in range(STEPS):
+    def training_step(experience, kl_ctl=0.0, step=0):  # the parts of ActorPPOTrainer.training_step that train
         actor.eval()
         with torch.no_grad():
-            old_log_probs = actor(sequences, action_mask, attention_mask)
+            old_log_probs = actor(experience.sequences, experience.action_mask, experience.attention_mask)
         actor.train()
-        log_probs = actor(sequences, action_mask, attention_mask=attention_mask)
-        loss = loss_fn(log_probs, old_log_probs, advantages, action_mask=action_mask)[0]
+        log_probs = actor(experience.sequences, experience.action_mask, attention_mask=experience.attention_mask)
+        loss = loss_fn(log_probs, old_log_probs, advantages, action_mask=experience.action_mask)[0]
         strategy.backward(loss, actor, optim)
         strategy.optimizer_step(optim, actor, sched)
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    experience = Experience(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask)
+    record["probes"] = []
+    if policy:  # as PolicyModelActor.init_model_from_pretrained installs it on its ActorPPOTrainer
+        from types import SimpleNamespace
+
+        from faircast_plugins.openrlhf import policy_probe
+
+        names = {id(p): n for n, p in actor.model.module.named_parameters()}
+        record["probes"] = record_probe(actor, None, names)
+        holder = SimpleNamespace(actor=actor, trainer=SimpleNamespace(training_step=training_step, args=args))
+        policy_probe.install(holder)
+        training_step = holder.trainer.training_step
+    for step in range(STEPS):
+        training_step(experience, 0.0, step)
 
         # What broadcast_to_vllm sends (ppo_actor.py: model = self.actor.model.module; named_parameters()).
         model = actor.model.module
@@ -190,6 +259,7 @@ def main(out_file: str, stage: int, flag: str) -> None:
         record["served"].append(served)
         record["masters"].append(masters)
         record["versions"].append(engine.__dict__["_faircast"].caster.version if faircast else None)
+        record.setdefault("global_steps", []).append(int(engine.global_steps))
         record["metrics"].append(policy_metrics(engine))
 
         # The old log-probs of the next rollout come from the trainer's eval forward through the DeepSpeed
@@ -218,4 +288,4 @@ def main(out_file: str, stage: int, flag: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], policy=sys.argv[4:] == ["policy"])

@@ -63,7 +63,8 @@ def test_faircast_flags_reach_the_args_every_actor_gets(launch, mode):
     from faircast_plugins.openrlhf import config_from_args, policy
 
     args = launch(BASE + ["--faircast", "--faircast.mode", mode, "--faircast.seed", "42", "--faircast.audit"])
-    assert vars(args.faircast) == {"enable": True, "mode": mode, "seed": 42, "ema_decay": 0.0, "audit": True}
+    assert vars(args.faircast) == {"enable": True, "mode": mode, "seed": 42, "ema_decay": 0.0, "audit": True,
+                                   "policy_metrics_every": 0, "policy_metrics_seqs": 2}
     config = config_from_args(args)
     assert (config.enabled, config.mode, config.seed, config.audit) == (True, mode, 42, True)
     # The class Ray ships to the policy workers now runs Fair Cast's init (stored by reference).
@@ -73,7 +74,19 @@ def test_faircast_flags_reach_the_args_every_actor_gets(launch, mode):
 
 def test_enable_alias_and_defaults(launch):
     args = launch(BASE + ["--faircast.enable"])
-    assert vars(args.faircast) == {"enable": True, "mode": "stochastic", "seed": 0, "ema_decay": 0.0, "audit": False}
+    assert vars(args.faircast) == {"enable": True, "mode": "stochastic", "seed": 0, "ema_decay": 0.0, "audit": False,
+                                   "policy_metrics_every": 0, "policy_metrics_seqs": 2}
+
+
+def test_policy_metrics_flags_reach_the_policy_config_without_faircast(launch):
+    """--faircast.policy_metrics_every alone (Fair Cast off: the metric then shows the standard export's lag) patches
+    the policy actor, whose init attaches the probe."""
+    from faircast_plugins.openrlhf import config_from_args, policy
+
+    args = launch(BASE + ["--faircast.policy_metrics_every", "10", "--faircast.policy_metrics_seqs", "4"])
+    config = config_from_args(args)
+    assert (config.enabled, config.policy_metrics_every, config.policy_metrics_seqs) == (False, 10, 4)
+    assert config.active and _shipped_init() is policy.init_model_from_pretrained
 
 
 def test_without_the_flag_nothing_is_patched(launch):
@@ -102,6 +115,10 @@ def test_ema_decay_reaches_the_policy_config(launch):
     (["--faircast", "--faircast.ema_decay", "x"], "faircast.ema_decay must be a number"),
     (["--faircast", "--ds.lora.rank", "8"], "Fair Cast with LoRA (--ds.lora.rank > 0) is not supported"),
     (["--faircast", "--ds.tensor_parallel_size", "2"], "Fair Cast with DeepSpeed AutoTP (--ds.tensor_parallel_size > 1)"),
+    (["--faircast.policy_metrics_every", "-1"], "faircast.policy_metrics_every"),
+    (["--faircast.policy_metrics_every", "10", "--faircast.policy_metrics_seqs", "0"], "faircast.policy_metrics_seqs"),
+    (["--faircast.policy_metrics_every", "10", "--ds.ring_attn_size", "2", "--ds.packing_samples"],
+     "--faircast.policy_metrics_every is not supported with ring attention (--ds.ring_attn_size 2)"),
 ])
 def test_bad_values_give_a_clear_error(launch, capsys, argv, message):
     from faircast_plugins.openrlhf.train_ppo_ray import main

@@ -5,7 +5,8 @@ would not reach them. The CLI wrapper patches the shipped class instead; this te
 ``PolicyModelActor.init_model_from_pretrained`` in a Ray worker process (CPU plumbing from
 ``ray_cpu_hook.py``) and checks from inside that worker that the policy engine has Fair Cast, and that
 OpenRLHF's own PPO training phase (``forward`` for the old log-probs, ``append``, ``fit``) serves
-``fair_cast(master)`` and reports the ``faircast/*`` metrics.
+``fair_cast(master)`` and reports the ``faircast/*`` metrics, ``faircast/policy_*`` included (measured inside the
+worker's own ``ActorPPOTrainer.training_step``).
 
 Not run here: ``PPOTrainer.fit``'s rollouts and ``broadcast_to_vllm``, which need vLLM engines and a CUDA
 weight transport (see docs/openrlhf.md).
@@ -67,7 +68,7 @@ def policy_worker(ray_cluster, tmp_path_factory):
     model_path = str(tmp_path_factory.mktemp("ray") / "tiny")
     setup.tiny_qwen2(model_path)
     # Parsed by OpenRLHF's CLI through the wrapper, which patches the class Ray will ship.
-    args, get_strategy = setup.openrlhf_args(model_path, 2, True, keep_patches=True)
+    args, get_strategy = setup.openrlhf_args(model_path, 2, True, keep_patches=True, policy_metrics=True)
     strategy = get_strategy(args)
     shipped = PolicyModelActor.__ray_metadata__.modified_class
     out = {"shipped_init": shipped.init_model_from_pretrained, "shipped_fit": shipped.fit,
@@ -128,3 +129,14 @@ def test_openrlhf_fit_in_the_ray_worker_serves_fair_cast(policy_worker):
     out = policy_worker["after_fit"]
     assert out["version"] == 3
     assert out["mismatched"] == 0, f"{out['mismatched']} bf16 weights differ from fair_cast(master) in the worker"
+
+
+def test_openrlhf_fit_in_the_ray_worker_reports_the_policy_metrics(policy_worker):
+    """--faircast.policy_metrics_every 1 --faircast.policy_metrics_seqs 2: the shipped init wrapped the worker's own
+    ActorPPOTrainer.training_step, which measured before each of the 3 updates (2 sequences of 4 response tokens
+    each), and fit's status carries faircast/policy_* of those 6 sequences (the masters moved after the first step:
+    Fair Cast's rounding noise shows)."""
+    status = policy_worker["fit_status"]
+    assert (status["faircast/policy_seqs"], status["faircast/policy_tokens"]) == (6.0, 24.0), status
+    assert status["faircast/policy_kl"] > 0 and 0 < status["faircast/policy_ess_frac"] <= 1
+    assert "faircast/policy_nonfinite_seqs" not in status

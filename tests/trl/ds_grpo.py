@@ -13,7 +13,8 @@ A scenario is ``CONFIG:MODE[:ROLE]``:
 * ROLE: ``save`` (checkpoint after step 2), ``resume`` (resume from the ``save`` scenario's ``checkpoint-2``) or
   ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded) or
   ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``) or ``policy``
-  (``faircast_policy_metrics_every=1``: the ``faircast/policy_*`` metrics every step, on 2 sequences per rank).
+  (``faircast_policy_metrics_every=1``: the ``faircast/policy_*`` metrics every step, on 2 sequences per rank;
+  each measurement's tokens, rows, and the two weight views as its forwards read them are recorded).
 
 Every scenario trains 4 GRPO steps; all scenarios of one invocation share the process group (importing DeepSpeed
 and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
@@ -203,6 +204,52 @@ class Recorder(TrainerCallback):
         generation.sync_weights = sync_weights
 
 
+    def watch_policy(self):
+        """Record each policy measurement: the tokens it scored, the temperature, and the rows it produced (before
+        the per-step ``fc.metrics()`` takes them), so a one-process reference can recompute them."""
+        fc = self.trainer._faircast
+        original, views = fc.measure_policy, fc.backend.policy_views
+        self.probes = []
+        seen = {"served": {}, "master": {}}
+
+        def recorded_views():  # each view's value of every parameter, as the probe's forwards read it (first use)
+            module = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            names = {id(p): canonical_name(n) for n, p in module.named_parameters()}
+
+            def record(kind, view):
+                def wrapped(p):
+                    out = view(p)
+                    if id(p) in names and names[id(p)] not in seen[kind]:
+                        seen[kind][names[id(p)]] = (out if out is not None else p.data).detach().float().cpu().clone()
+                    return out
+                return wrapped
+
+            served, master = views()
+            return record("served", served), record("master", master)
+
+        fc.backend.policy_views = recorded_views
+
+        def measure_policy(inputs, step, temperature):
+            before = fc.policy.pending.shape[0] if fc.policy.pending is not None else 0
+            seen["served"], seen["master"] = {}, {}
+            result = original(inputs, step, temperature)
+            rows = fc.policy.pending[before:] if fc.policy.pending is not None else None
+            # ZeRO-3 bookkeeping after the probe: a parameter DeepSpeed marked released must hold no gathered data
+            module = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            stale = [canonical_name(n) for n, p in module.named_parameters()
+                     if getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE" and p.data.numel() != 0]
+            if rows is not None and rows.shape[0]:
+                n = rows.shape[0]
+                self.probes.append({"step": step, "temperature": temperature, "rows": rows.clone(),
+                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
+                                    "released": sum(getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE"
+                                                    for p in module.parameters()),
+                                    **{k: inputs[k][:n].detach().cpu().clone() for k in
+                                       ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}})
+            return result
+
+        fc.measure_policy = measure_policy
+
     def watch_continuous_batching(self):
         """Record the weights ``generate_batch`` runs on, and what TRL's generation leaves behind."""
         module = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -274,6 +321,9 @@ def run(scenario: str) -> None:
         recorder.watch_vllm()
     if cb:
         recorder.watch_continuous_batching()
+    recorder.probes = []
+    if role == "policy":
+        recorder.watch_policy()
     error = None
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -291,6 +341,7 @@ def run(scenario: str) -> None:
         "policy_logs": [{k: v for k, v in h.items() if k.startswith("faircast/policy")}
                         for h in [s.get("metrics", {}) for s in recorder.steps] + trainer.state.log_history
                         if "faircast/policy_kl" in h],
+        "probes": recorder.probes,
         "is_deepspeed": trainer.is_deepspeed_enabled, "zero_stage": engine.zero_optimization_stage(),
         "world_size": trainer.accelerator.num_processes,
         "offload": bool(engine.zero_cpu_offload()),

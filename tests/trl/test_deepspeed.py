@@ -19,6 +19,11 @@ run follows. Checked:
   module's bf16 weights, which equal that reference at every version, and TRL's in-place bf16 cast leaves the
   parameters as they are and (Fair Cast on) the buffers as DeepSpeed had them.
 
+* ``faircast_policy_metrics_every=1`` under ZeRO-2 and ZeRO-3, one and two processes: the weight views the probe's
+  forwards read are the step's served copy and fp32 masters bit for bit, its rows equal a one-process fp32 reference,
+  the logged metrics are those of every rank's rows, ZeRO-3 leaves no released parameter holding gathered data, and
+  training with the probe is bit-identical to training without it.
+
 Negative controls: with Fair Cast off the same runs (one and two processes, offload, vLLM) hold DeepSpeed's
 round-to-nearest copy of the masters, which differs from the Fair Cast copy.
 
@@ -60,11 +65,11 @@ TWO_PROCESS = [
     "z3:ema:save", "z3:ema:resume",
     "z2_offload:stochastic", "z3_offload:stochastic",
     "z2:off", "z3_offload:off",
-    "z2:stochastic:policy",
+    "z2:stochastic:policy", "z3:stochastic:policy",
 ]
 # The colocated vLLM engine goes last: it leaves the process group unusable for another DeepSpeed engine.
 ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:off:policy", "z2:ema", "z2_cb:stochastic", "z2_cb:off", "z3_vllm:stochastic"],
-               ["z3:stochastic", "z3:off", "z3_cb:stochastic", "z3_vllm:off"]]
+               ["z3:stochastic", "z3:off", "z3:off:policy", "z3_cb:stochastic", "z3_vllm:off"]]
 
 
 def _invoke(tiny_model_dir, out: Path, scenarios, nproc: int = 1) -> None:
@@ -401,3 +406,80 @@ def test_policy_metrics_under_zero2(one_process, two_process):
     ranks = [_load(two_process, "z2-stochastic-policy", r) for r in (0, 1)]
     assert ranks[0]["policy_logs"] == ranks[1]["policy_logs"] and len(ranks[0]["policy_logs"]) == STEPS
     assert all(h["faircast/policy_seqs"] == 4 for h in ranks[0]["policy_logs"])
+
+
+# -- faircast/policy_* against a one-process reference (ZeRO-2 and ZeRO-3, world size 1 and 2) -------------------
+def _reference_rows(model_dir: str, probe: dict, weights: dict) -> torch.Tensor:
+    """The probe's rows recomputed in one process: a plain fp32 HF model holding the full served copy, one holding
+    the full masters, scoring the recorded tokens (:func:`sequence_stats`)."""
+    from transformers import AutoModelForCausalLM
+
+    from faircast_plugins.policy_lag import sequence_stats
+
+    ids = torch.cat([probe["prompt_ids"], probe["completion_ids"]], dim=1)
+    att = torch.cat([probe["prompt_mask"], probe["completion_mask"]], dim=1)
+    length = probe["completion_ids"].shape[1]
+    logits = []
+    for which in ("served", "masters"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model.load_state_dict({n: t.float() for n, t in weights[which].items()}, strict=False)
+        with torch.no_grad():
+            logits.append(model(input_ids=ids, attention_mask=att, use_cache=False).logits[:, -length - 1:-1])
+    return sequence_stats(*logits, probe["completion_ids"], probe["completion_mask"], probe["temperature"])
+
+
+POLICY_RUNS = [("one_process", "z2-off-policy", 1), ("one_process", "z3-off-policy", 1),
+               ("two_process", "z2-stochastic-policy", 2), ("two_process", "z3-stochastic-policy", 2)]
+
+
+@pytest.mark.parametrize("fixture,tag,world", POLICY_RUNS)
+def test_policy_metrics_equal_a_one_process_reference(request, tiny_model_dir, fixture, tag, world):
+    """Every measurement: the served view the probe's forwards read is, bit for bit, the module's bf16 weight of that
+    step (DeepSpeed's round to nearest of the master with Fair Cast off, fair_cast(master) with it on), the master view
+    is DeepSpeed's full fp32 master (and differs from the served view once the masters moved), and each rank's rows
+    equal a one-process fp32 reference on the full weights; the logged metrics are those of every rank's rows.
+    Under ZeRO-3 the views are read inside DeepSpeed's forward hooks (gathered weights) and its linear function
+    computes the logits (last-bit differences from the plain matmul: the tolerance)."""
+    from faircast_plugins.policy_lag import COLUMNS, metrics_of
+
+    out = request.getfixturevalue(fixture)
+    runs = [_load(out, tag, r) for r in range(world)]
+    stochastic = "stochastic" in tag
+    tol = dict(rtol=1e-3, atol=1e-5) if tag.startswith("z3") else dict(rtol=1e-5, atol=1e-9)
+    for run in runs:
+        assert run["zero_stage"] == int(tag[1]) and run["world_size"] == world
+        assert [p["step"] for p in run["probes"]] == list(range(STEPS))
+        for probe in run["probes"]:
+            snap = run["steps"][probe["step"]]
+            assert snap["global_step"] == probe["step"]
+            masters, served = snap["masters"], snap["served"]
+            assert set(probe["master_view"]) == set(masters) == set(probe["served_view"])
+            for n, m in masters.items():
+                assert torch.equal(probe["master_view"][n], m), n
+                assert torch.equal(probe["served_view"][n], served[n].float()), n
+                want = (expected_served(m, seed=SEED, version=probe["step"], name=n, mode="stochastic")
+                        if stochastic else m.to(torch.bfloat16))
+                assert torch.equal(served[n], want), n
+            # ZeRO-3: after the probe every partitioned parameter is released again and holds no gathered data
+            assert probe["stale"] == [] and (probe["released"] > 0) == tag.startswith("z3"), probe["stale"]
+            if probe["step"] > 0:
+                assert any(not torch.equal(probe["master_view"][n], probe["served_view"][n]) for n in masters)
+            ref = _reference_rows(tiny_model_dir, probe, snap)
+            assert torch.allclose(probe["rows"], ref, **tol), (probe["step"], probe["rows"], ref)
+    for i, logged in enumerate(runs[0]["policy_logs"]):
+        rows = torch.cat([run["probes"][i]["rows"] for run in runs]).reshape(-1, len(COLUMNS))
+        assert logged == metrics_of(rows)
+        assert all(run["policy_logs"][i] == logged for run in runs)  # every rank logs the gathered rows
+
+
+def test_policy_probe_leaves_zero3_training_unchanged(one_process, two_process):
+    """ZeRO-3: the probe's forwards (weights swapped inside DeepSpeed's gather/release hooks, its prefetch trace
+    invalidated afterwards) leave the masters and the served copy of every step bit-identical to a run without it."""
+    pairs = [(_load(one_process, "z3-off"), _load(one_process, "z3-off-policy"))]
+    pairs += [(_load(two_process, "z3-stochastic-save", r), _load(two_process, "z3-stochastic-policy", r)) for r in (0, 1)]
+    for plain, probed in pairs:
+        assert len(probed["policy_logs"]) == STEPS and probed["zero_stage"] == 3
+        assert len(plain["steps"]) == len(probed["steps"]) == STEPS + 1
+        for a, b in zip(plain["steps"], probed["steps"]):
+            for key in ("masters", "served"):
+                assert all(torch.equal(a[key][n], b[key][n]) for n in a[key]), (key, a["global_step"])

@@ -10,7 +10,7 @@ from tests.step_bench_checks import check_step_bench_smoke
 DRIVERS = {
     "trl": ["trl_plain.py", "--policy-seqs", "2"],  # + the faircast/policy_* probe arms
     "fsdp2": ["fsdp2.py"],
-    "zero3": ["deepspeed_zero.py", "--stage", "3"],
+    "zero3": ["deepspeed_zero.py", "--stage", "3", "--policy-seqs", "1"],  # + the probe arms (OpenRLHF's path)
 }
 
 

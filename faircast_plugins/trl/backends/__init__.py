@@ -44,6 +44,8 @@ class Backend:
 
     #: the policy's own parameters hold the served copy (one process or DDP with Fair Cast on)
     shadow = False
+    #: the policy probe's forwards communicate (its views or the model's hooks): every rank runs as many
+    policy_collective = False
 
     def __init__(self, trainer, caster: FairCaster):
         self.trainer, self.caster, self.config = trainer, caster, caster.config
@@ -171,6 +173,10 @@ class Backend:
         """``(served, master)``: parameter -> tensor functions (None: the parameter as it is) for
         :class:`~faircast_plugins.policy_lag.PolicyLagProbe`."""
         raise NotImplementedError
+
+    def policy_scope(self):
+        """Around one measurement's forwards (e.g. DeepSpeed ZeRO-3 forgets its prefetch trace afterwards)."""
+        return nullcontext()
 
     def metrics(self) -> Dict[str, float]:
         """Summed over ranks (:func:`audit.reduce_metrics`: a collective when distributed; every rank calls

@@ -1,10 +1,9 @@
 """DeepSpeed (bf16): the module's bf16 parameters are the served copy, the fp32 masters live in DeepSpeed's optimizer.
 
-Policy metrics (``faircast_policy_metrics_every``, ZeRO-0/1/2): the served view widens each module's bf16 weights to
-fp32 (exact), the master view assembles each fp32 master from DeepSpeed's optimizer partitions
-(``deepspeed.utils.safe_get_full_fp32_param``: an all-reduce over the data-parallel group per parameter, which every
-rank runs in the same module order), one module at a time. ZeRO-3 is refused: its own forward hooks gather and
-release each module's partitions around the ones that would swap the weights.
+Policy metrics (``faircast_policy_metrics_every``, ZeRO-0/1/2/3): the two weight views are the cast-site layer's
+(:mod:`faircast_plugins.deepspeed.policy_views`, shared with OpenRLHF): served = the module's bf16 weight widened
+(under ZeRO-3, as DeepSpeed's forward hook gathered it), master = ``safe_get_full_fp32_param`` (a collective per
+parameter, which every rank runs in the same module order), one module at a time.
 
 At train begin the shared DeepSpeed copy-back patch (:func:`faircast_plugins.deepspeed.apply_deepspeed_patch`) is
 attached to the trainer's engine with this caster: it advances the weight version at each optimizer step and writes
@@ -19,11 +18,11 @@ from typing import Optional
 
 import torch
 
-from ...patching import FairCastPatchError
 from . import INFO_FILE, Backend
 
 
 class DeepSpeedBackend(Backend):
+    policy_collective = True  # the master view assembles each master from every rank's partition
     def __init__(self, trainer, caster):
         super().__init__(trainer, caster)
         self.attached = None  # the DeepSpeedFairCast of the trainer's engine
@@ -57,31 +56,18 @@ class DeepSpeedBackend(Backend):
         pass  # the DeepSpeed patch advanced the version and cast inside the engine's step
 
     # -- the policy metrics' two views of the weights ---------------------------------------------------------
-    def zero_stage(self) -> int:
-        plugin = getattr(self.trainer.accelerator.state, "deepspeed_plugin", None)
-        return int(getattr(plugin, "zero_stage", 0) or 0)
-
     def check_policy_metrics(self, trainer_name: str) -> None:
-        if self.zero_stage() == 3:
-            raise FairCastPatchError(
-                f"{trainer_name}(faircast_policy_metrics_every=...) is not supported under DeepSpeed ZeRO-3 yet: its "
-                f"forward hooks gather and release each module's partitions around the swap of the served copy for the "
-                f"fp32 master. Use ZeRO-0/1/2, or set faircast_policy_metrics_every=0 (faircast_audit's "
-                f"faircast/lag_steps measures the lag in weight space under ZeRO-3)."
-            )
-        self.caster.policy_measured = True  # the copy-back patch then accepts the option
+        self.caster.policy_measured = True  # the copy-back patch then accepts the option (every ZeRO stage)
 
     def policy_views(self):
-        from deepspeed.utils import safe_get_full_fp32_param
+        from ...deepspeed.policy_views import deepspeed_policy_views
 
-        def served(p):  # the module's bf16 weight is the served copy (Fair Cast's, or DeepSpeed's round to nearest)
-            return p.data.float() if p.is_floating_point() and p.dtype != torch.float32 else None
+        return deepspeed_policy_views()
 
-        def master(p):  # frozen parameters have no optimizer master: DeepSpeed's bf16 copy is all there is
-            full = safe_get_full_fp32_param(p) if p.requires_grad else None
-            return full.to(p.device) if full is not None else served(p)
+    def policy_scope(self):
+        from ...deepspeed.policy_views import probing
 
-        return served, master
+        return probing(self.trainer.deepspeed)
 
     def saved_weights(self) -> str:
         return ("bf16 served copy (DeepSpeed's module weights; ZeRO-3 writes them only with "

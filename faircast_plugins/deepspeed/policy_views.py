@@ -1,0 +1,92 @@
+"""The two weight views of a DeepSpeed bf16 engine's module that the ``faircast/policy_*`` metrics score
+(:class:`faircast_plugins.policy_lag.PolicyLagProbe`), shared by TRL's DeepSpeed backend and OpenRLHF's policy actor.
+
+``served``: the module's bf16 weight widened to fp32 (exact). After every optimizer step DeepSpeed's copy-back wrote
+it: ``fair_cast(master)`` with the copy-back patch attached and Fair Cast on, DeepSpeed's own round to nearest
+otherwise; it is what the rollout engine receives.
+
+``master``: the fp32 master the optimizer trains, assembled from DeepSpeed's optimizer partitions by
+``deepspeed.utils.safe_get_full_fp32_param`` (ZeRO-1/2: an all-reduce over the data-parallel group; ZeRO-3: an
+all-gather of the fp32 partitions). Every rank must run it for the same parameters in the same order: the probe's
+forwards run on every rank (the master view is a collective). Frozen parameters have no optimizer master; their
+bf16 weight is all there is.
+
+ZeRO-3 (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered at
+engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook
+releases them (``release_sub_module`` -> ``param.partition()``). :func:`faircast_plugins.policy_lag.weights_swapped`
+registers its pre-hook after DeepSpeed's (it runs after the fetch: ``p.data`` is the gathered bf16 weight, which
+the views read) and its post-hook prepended (it runs before the release: DeepSpeed partitions the gathered bf16
+tensor it put there, never ours). ``p.ds_status`` and ``p.ds_tensor`` are not touched.
+
+ZeRO-3's prefetcher (``partitioned_param_coordinator.py``) records the module order of one forward + backward as its
+trace and, once complete, releases and prefetches by it. The probe's forwards (no backward; the modules of the HF
+forward, where a trainer's own forward may differ, e.g. TRL's fused LM head reads ``lm_head.weight`` without calling
+``lm_head``) would be recorded or checked against that trace: measured, TRL's next backward then found the tied
+embedding released (``AccumulateGrad`` on an empty weight). :func:`probing` therefore invalidates the trace after
+the probe, the state TRL's own generation leaves it in (``trl.models.utils.add_hooks``): the next training forward
+records a fresh trace, and training runs as without the probe (tested bit for bit); the cost is one step without
+prefetch every N steps.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ..patching import FairCastPatchError
+
+View = Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
+
+
+def served_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The module's bf16 weight (gathered, inside a ZeRO-3 module forward) widened to fp32; None for fp32 weights."""
+    return p.data.float() if p.is_floating_point() and p.dtype != torch.float32 else None
+
+
+def master_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The full fp32 master of ``p`` from DeepSpeed's optimizer (a collective); the served view for frozen ones."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(p) if p.requires_grad else None
+    if full is None:
+        return served_view(p)
+    return full.to(p.data.device).view(p.data.shape)
+
+
+def deepspeed_policy_views() -> Tuple[View, View]:
+    """``(served, master)`` for :meth:`faircast_plugins.policy_lag.PolicyLagProbe.measure` on a DeepSpeed module."""
+    return served_view, master_view
+
+
+def _trace_coordinator(engine):
+    """ZeRO-3's parameter coordinator of ``engine`` (None below ZeRO-3); refuses a DeepSpeed without the one read."""
+    if engine.zero_optimization_stage() != 3:
+        return None
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    if coordinator is None or not hasattr(coordinator, "_invalidate_trace"):
+        from ..patching import installed_version
+
+        raise FairCastPatchError(
+            f"faircast policy metrics under DeepSpeed {installed_version('deepspeed') or '?'} ZeRO-3: the engine's "
+            f"optimizer has no parameter_offload.get_param_coordinator()._invalidate_trace (read in DeepSpeed 0.19), "
+            f"which keeps the probe's forwards out of ZeRO-3's prefetch trace. Use ZeRO-0/1/2, or set "
+            f"policy_metrics_every=0"
+        )
+    return coordinator
+
+
+@contextmanager
+def probing(engine):
+    """Around the probe's forwards on ``engine.module``: under ZeRO-3 the prefetch trace is invalidated afterwards
+    (see the module docstring), so the next training forward records its own."""
+    coordinator = _trace_coordinator(engine)
+    try:
+        yield
+    finally:
+        if coordinator is not None and not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()
+
+
+__all__ = ["deepspeed_policy_views", "master_view", "probing", "served_view"]

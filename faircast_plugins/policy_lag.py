@@ -200,8 +200,15 @@ class PolicyLagProbe:
     def measure(self, model: torch.nn.Module, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
                 served: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
-                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0) -> None:
-        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`."""
+                master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0,
+                count_mask: Optional[torch.Tensor] = None, swap: Callable = None) -> None:
+        """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`.
+
+        ``completion_mask`` is the completion's attention mask; ``count_mask`` (default: the same) selects the tokens
+        that count (e.g. not a tool's output). ``swap(model, view)`` is the context that makes a forward read
+        ``view`` (default :func:`weights_swapped`; a sharded model gives its own, with views of its own kind)."""
+        swap = weights_swapped if swap is None else swap
+        count_mask = completion_mask if count_mask is None else count_mask
         self.measured_step = step
         rows = []
         device_type = completion_ids.device.type
@@ -216,11 +223,11 @@ class PolicyLagProbe:
                     j = min(count, i + chunk)
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
-                    with weights_swapped(model, served):
+                    with swap(model, served):
                         s = _completion_logits(model, ids, att, length)
-                    with weights_swapped(model, master):
+                    with swap(model, master):
                         m = _completion_logits(model, ids, att, length)
-                    rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
+                    rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
                     del s, m
         finally:
             model.train(was_training)

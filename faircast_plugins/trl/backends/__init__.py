@@ -172,6 +172,11 @@ class Backend:
         :class:`~faircast_plugins.policy_lag.PolicyLagProbe`."""
         raise NotImplementedError
 
+    def policy_scope(self):
+        """Around one measurement: a context that yields the probe's ``swap`` (None: the default
+        :func:`~faircast_plugins.policy_lag.weights_swapped`, over each module's own parameters)."""
+        return nullcontext(None)
+
     def metrics(self) -> Dict[str, float]:
         """Summed over ranks (:func:`audit.reduce_metrics`: a collective when distributed; every rank calls
         ``Trainer.log``)."""

@@ -39,17 +39,21 @@ class VerlPolicyProbe:
         return version >= self.next_due
 
 
-def _padded(t: torch.Tensor, left: bool) -> torch.Tensor:
-    """A nested (jagged) ``[B, *]`` tensor as a padded ``[B, max]`` one, padded on the left or the right."""
-    rows = list(t.unbind()) if t.is_nested else list(t)
-    width = max((r.shape[0] for r in rows), default=0)
-    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.long,
-                      device=rows[0].device if rows else None)
+def _rows(t: torch.Tensor, n: int) -> list:
+    """The first ``n`` rows of a ``[B, *]`` tensor, nested (jagged: no slicing on dim 0) or not."""
+    return list(t.unbind())[:n] if t.is_nested else list(t[:n])
+
+
+def _padded(rows: list, width: int, left: bool, ones: bool = False) -> torch.Tensor:
+    """Rows of different lengths as one ``[n, width]`` tensor, padded with zeros on the left or the right (``ones``:
+    the rows' attention mask instead of the rows)."""
+    out = torch.zeros(len(rows), width, dtype=torch.long if ones else rows[0].dtype, device=rows[0].device)
     for i, r in enumerate(rows):
+        value = torch.ones_like(r, dtype=out.dtype) if ones else r
         if left:
-            out[i, width - r.shape[0]:] = r
+            out[i, width - r.shape[0]:] = value
         else:
-            out[i, : r.shape[0]] = r
+            out[i, : r.shape[0]] = value
     return out
 
 
@@ -57,25 +61,26 @@ def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:
     """The first ``seqs`` sequences of a verl training batch (the worker's ``TensorDict``, after verl's no-padding
     conversion or before it) as the probe's padded tensors: ``prompt_ids``/``prompt_mask`` (left-padded),
     ``completion_ids``/``completion_mask`` (right-padded; the response's attention mask) and ``count_mask`` (the
-    response tokens the loss trains: ``response_mask``)."""
-    prompts, responses = data["prompts"][:seqs], data["responses"][:seqs]
-    count = data["response_mask"][:seqs]
+    response tokens the loss trains: ``response_mask``). Padded ``prompts``/``responses`` take their masks from
+    ``attention_mask``; nested (jagged) ones are their own valid tokens."""
+    prompts, responses = data["prompts"], data["responses"]
     if prompts.is_nested or responses.is_nested:
-        prompt_ids, completion_ids = _padded(prompts, left=True), _padded(responses, left=False)
-        prompt_mask = _padded(torch.nested.nested_tensor([torch.ones_like(r) for r in prompts.unbind()]), True) \
-            if prompts.is_nested else torch.ones_like(prompt_ids)
-        completion_mask = _padded(torch.nested.nested_tensor([torch.ones_like(r) for r in responses.unbind()]),
-                                  False) if responses.is_nested else torch.ones_like(completion_ids)
-        count = _padded(count, left=False) if count.is_nested else count
-        count = count[:, : completion_ids.shape[1]]
+        p_rows, r_rows = _rows(prompts, seqs), _rows(responses, seqs)
+        p_width, r_width = max(r.shape[0] for r in p_rows), max(r.shape[0] for r in r_rows)
+        prompt_ids, prompt_mask = _padded(p_rows, p_width, True), _padded(p_rows, p_width, True, ones=True)
+        completion_ids = _padded(r_rows, r_width, False)
+        completion_mask = _padded(r_rows, r_width, False, ones=True)
+        count = data["response_mask"]
+        count = _padded(_rows(count, seqs), r_width, False) if count.is_nested else count[:seqs, :r_width]
     else:
         attention = data["attention_mask"][:seqs]
         width = prompts.shape[1]
-        prompt_ids, completion_ids = prompts, responses
+        prompt_ids, completion_ids = prompts[:seqs], responses[:seqs]
         prompt_mask, completion_mask = attention[:, :width], attention[:, width:]
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(prompt_ids.dtype),
-            "completion_ids": completion_ids, "completion_mask": completion_mask.to(completion_ids.dtype),
-            "count_mask": count.to(completion_ids.dtype) * completion_mask.to(completion_ids.dtype)}
+        count = data["response_mask"][:seqs]
+    dtype = completion_ids.dtype
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.to(dtype), "completion_ids": completion_ids,
+            "completion_mask": completion_mask.to(dtype), "count_mask": count.to(dtype) * completion_mask.to(dtype)}
 
 
 def _device(module) -> torch.device:

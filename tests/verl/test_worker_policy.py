@@ -72,3 +72,28 @@ def test_update_actor_returns_policy_metrics_equal_to_the_reference(worker_runs,
             for mine, theirs in zip(r["masters_by_step"], b["masters_by_step"]):
                 assert all(torch.equal(mine[n], t) for n, t in theirs.items())
             assert all(torch.equal(r["masters"][n], t) for n, t in b["masters"].items())
+
+
+def test_probe_batch_reads_padded_and_nested_batches_alike():
+    """verl hands the worker padded prompts/responses (with attention_mask), or nested (jagged) ones: the probe gets
+    the same left-padded prompts, right-padded responses and masks from both."""
+    from faircast_plugins.verl.policy import probe_batch
+
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6])]
+    responses = [torch.tensor([7]), torch.tensor([8, 9]), torch.tensor([10, 11, 12])]
+    response_mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 1, 1]])  # the second response's last token: a tool's
+    nested = {"prompts": torch.nested.nested_tensor(prompts, layout=torch.jagged),
+              "responses": torch.nested.nested_tensor(responses, layout=torch.jagged), "response_mask": response_mask}
+    padded_prompts = torch.tensor([[1, 2, 3], [0, 4, 5], [0, 0, 6]])
+    padded_responses = torch.tensor([[7, 0, 0], [8, 9, 0], [10, 11, 12]])
+    attention = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])
+    padded = {"prompts": padded_prompts, "responses": padded_responses, "attention_mask": attention,
+              "response_mask": response_mask}
+    a, b = probe_batch(nested, 2), probe_batch(padded, 2)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key][:, : a[key].shape[1]]) if key.startswith(("completion", "count")) \
+            else torch.equal(a[key], b[key][:, -a[key].shape[1]:]), key
+    assert torch.equal(b["prompt_ids"], padded_prompts[:2]) and torch.equal(b["prompt_mask"], attention[:2, :3])
+    assert torch.equal(a["count_mask"], torch.tensor([[1, 0], [1, 0]]))
+    assert torch.equal(a["completion_mask"], torch.tensor([[1, 0], [1, 1]]))

@@ -110,6 +110,29 @@ def _reshard_root(model) -> None:
         handle.reshard(True)
 
 
+def _count_full_precision_units(model) -> dict:
+    """FSDP1: the most units whose fp32 unsharded flat parameter is allocated at once, seen at each unit's forward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = [m for m in model.modules() if isinstance(m, FSDP) and m._handle is not None
+             and hasattr(m._handle.flat_param, "_full_prec_full_param_padded")]
+    out = {"most": 0, "hooks": []}
+
+    def count():
+        return sum(int(u._handle.flat_param._full_prec_full_param_padded.untyped_storage().size() > 0) for u in units)
+
+    def seen(module, args):
+        out["most"] = max(out["most"], count())
+
+    def seen_after(module, args, output):
+        seen(module, args)
+
+    out["count"] = count
+    for u in units:
+        out["hooks"] += [u.register_forward_pre_hook(seen), u.register_forward_hook(seen_after)]
+    return out
+
+
 def _rank(rank: int, world: int, store: str, outdir: str, case: dict):
     from faircast_plugins import fsdp
     from faircast_plugins.fsdp_policy import FSDPPolicyViews
@@ -133,16 +156,20 @@ def _rank(rank: int, world: int, store: str, outdir: str, case: dict):
         probe = PolicyLagProbe(1, SEQS)
         views = FSDPPolicyViews(model)
         model.train()
+        full_units = _count_full_precision_units(model)
         with views.scope():
             probe.measure(model, 0, **batch, served=views.served, master=views.master, swap=views.swapped,
                           temperature=0.8)
+        for h in full_units["hooks"]:
+            h.remove()
         assert model.training  # the probe put the mode back
         rows = gather_rows(probe.take())
         after = _shards(model)
         with torch.no_grad():
             after_out = model(input_ids=ids)[0].float()
         torch.save({"rows": rows, "same_shards": all(torch.equal(a, b) for a, b in zip(before, after)),
-                    "same_forward": torch.equal(before_out, after_out), "dtype": str(before_out.dtype)},
+                    "same_forward": torch.equal(before_out, after_out), "dtype": str(before_out.dtype),
+                    "full_units": full_units["most"], "full_after": full_units["count"]()},
                    os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         if case["on"]:
@@ -195,6 +222,9 @@ def test_fsdp_views_equal_the_one_process_reference(case, world):
         got = res["rows"]
         assert got.shape == (SEQS * world, 3)
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-12), (got, want)
+    if case["kind"].startswith("fsdp1") and world > 1:  # sharded: the master forward gathers fp32 flat params
+        # at most the root unit's and the running unit's at once, and none left allocated after the measurement
+        assert all(res["full_units"] in (1, 2) and res["full_after"] == 0 for res in ranks), ranks
     got = summarize(ranks[0]["rows"])
     assert got["faircast/policy_kl"] > 0 and got["faircast/policy_tokens"] == world * (2 * COMPLETION - 2)
     # the check tells the served copy apart: Fair Cast's from round to nearest, and neither is the master

@@ -60,13 +60,6 @@ class _View:
                 yield
 
 
-def fsdp2_states(root: nn.Module) -> list:
-    """The FSDP2 states under ``root`` (every ``fully_shard`` module's), in module order."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m._get_fsdp_state() for m in root.modules() if isinstance(m, FSDPModule)]
-
-
 def fsdp1_modules(root: nn.Module) -> list:
     """The FSDP1 units under ``root`` (``FullyShardedDataParallel`` modules), in module order."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -275,4 +268,4 @@ class FSDPPolicyViews:
                 _reshard_fsdp1(self.units1)
 
 
-__all__ = ["FSDPPolicyViews", "fsdp1_modules", "fsdp2_states", "full_master", "owned_swapped"]
+__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "owned_swapped"]

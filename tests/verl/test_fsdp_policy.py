@@ -133,18 +133,17 @@ def _count_full_precision_units(model) -> dict:
     return out
 
 
-def _rank(rank: int, world: int, store: str, outdir: str, case: dict):
+def _measure_case(rank: int, case: dict) -> dict:
+    """One case on this rank (inside the process group): wrap, register, measure, and what changed."""
     from faircast_plugins import fsdp
     from faircast_plugins.fsdp_policy import FSDPPolicyViews
     from faircast_plugins.policy_lag import gather_rows
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model = _wrap(_masters(case["tied"]), case["kind"])
+    caster = FairCaster(FairCastConfig(enabled=case["on"], seed=SEED))
+    batch = _batch(rank)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     try:
-        model = _wrap(_masters(case["tied"]), case["kind"])
-        caster = FairCaster(FairCastConfig(enabled=case["on"], seed=SEED))
-        batch = _batch(rank)
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         with torch.no_grad():
             model(input_ids=ids)  # lazy init
             if case["on"]:
@@ -167,15 +166,22 @@ def _rank(rank: int, world: int, store: str, outdir: str, case: dict):
         after = _shards(model)
         with torch.no_grad():
             after_out = model(input_ids=ids)[0].float()
-        torch.save({"rows": rows, "same_shards": all(torch.equal(a, b) for a, b in zip(before, after)),
-                    "same_forward": torch.equal(before_out, after_out), "dtype": str(before_out.dtype),
-                    "full_units": full_units["most"], "full_after": full_units["count"]()},
-                   os.path.join(outdir, f"rank{rank}.pt"))
+        return {"rows": rows, "same_shards": all(torch.equal(a, b) for a, b in zip(before, after)),
+                "same_forward": torch.equal(before_out, after_out), "dtype": str(before_out.dtype),
+                "full_units": full_units["most"], "full_after": full_units["count"]()}
     finally:
         if case["on"]:
-            from faircast_plugins.fsdp import unregister_fsdp_module
+            fsdp.unregister_fsdp_module(model)
 
-            unregister_fsdp_module(model)
+
+def _rank(rank: int, world: int, store: str, outdir: str, cases: list):
+    """Every case in turn, in one process group (one spawn per world size)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        out = {_case_id(case): _measure_case(rank, case) for case in cases}
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
         dist.destroy_process_group()
 
 
@@ -198,20 +204,27 @@ def _reference(case: dict, world: int, served_on: bool) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _run(case: dict, world: int) -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), tmp, case), nprocs=world)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-
-
 CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, tied=True),
          dict(kind="fsdp1", on=True, tied=False), dict(kind="fsdp1_orig", on=False, tied=False),
          dict(kind="fsdp1_orig", on=True, tied=True), dict(kind="fsdp1", on=False, tied=True)]
+_RUNS: dict = {}
+
+
+def _case_id(case: dict) -> str:
+    return f"{case['kind']}-{'on' if case['on'] else 'off'}{'-tied' if case['tied'] else ''}"
+
+
+def _run(case: dict, world: int) -> list:
+    """This case's result on every rank; one spawn per world size runs every case (spawns dominate the time)."""
+    if world not in _RUNS:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), tmp, CASES), nprocs=world)
+            _RUNS[world] = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return [results[_case_id(case)] for results in _RUNS[world]]
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['kind']}-{'on' if c['on'] else 'off'}"
-                                                       f"{'-tied' if c['tied'] else ''}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_fsdp_views_equal_the_one_process_reference(case, world):
     ranks = _run(case, world)
     want = _reference(case, world, served_on=case["on"])

@@ -36,7 +36,13 @@ class VerlPolicyProbe:
         return cls(PolicyLagProbe(config.policy_metrics_every, config.policy_metrics_seqs))
 
     def due(self, version: int) -> bool:
-        return version >= self.next_due
+        """Whether an ``update_actor`` starting at weight ``version`` measures: the first one at or after each multiple
+        of ``every`` steps (one may take several steps). True moves the next due version on."""
+        if version < self.next_due:
+            return False
+        every = self.probe.every
+        self.next_due = (version // every + 1) * every
+        return True
 
 
 def _rows(t: torch.Tensor, n: int) -> list:
@@ -98,8 +104,6 @@ def measure(engine, policy: VerlPolicyProbe, version: int, data) -> None:
 
     from ..fsdp_policy import FSDPPolicyViews
 
-    every = policy.probe.every
-    policy.next_due = (version // every + 1) * every
     temperature = float(tu.get_non_tensor_data(data=data, key="temperature", default=1.0) or 1.0)
     batch = probe_batch(data, policy.probe.seqs)
     with engine.eval_mode():  # verl loads offloaded parameters here, and reshards the root FSDP unit after

@@ -97,3 +97,13 @@ def test_probe_batch_reads_padded_and_nested_batches_alike():
     assert torch.equal(b["prompt_ids"], padded_prompts[:2]) and torch.equal(b["prompt_mask"], attention[:2, :3])
     assert torch.equal(a["count_mask"], torch.tensor([[1, 0], [1, 0]]))
     assert torch.equal(a["completion_mask"], torch.tensor([[1, 0], [1, 1]]))
+
+
+def test_a_measurement_at_the_first_update_at_or_after_each_multiple_of_n():
+    from faircast_plugins import FairCastConfig
+    from faircast_plugins.verl.policy import VerlPolicyProbe
+
+    policy = VerlPolicyProbe.of(FairCastConfig(policy_metrics_every=3))
+    # two optimizer steps per update_actor: it starts at versions 0, 2, 4, ...
+    assert [v for v in range(0, 14, 2) if policy.due(v)] == [0, 4, 6, 10, 12]
+    assert VerlPolicyProbe.of(FairCastConfig()) is None

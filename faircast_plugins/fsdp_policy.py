@@ -26,13 +26,14 @@ parameter instead of its bf16 one (twice its bytes) during the master forward.
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .fsdp import _param_groups
+from .fsdp import _all_gather, _param_groups
 from .patching import FairCastPatchError
 
 #: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
@@ -95,10 +96,24 @@ def _fsdp1_slots(units) -> Dict[int, Tuple[nn.Module, List[str]]]:
 
 def full_master(fsdp_param, device: torch.device) -> torch.Tensor:
     """The fp32 full tensor of one FSDP2 parameter (a collective over the group it is sharded over: every rank calls
-    it for the same parameters in the same order). A shard offloaded to the host is gathered on ``device``."""
-    from torch.distributed.tensor import DTensor
+    it for the same parameters in the same order). A shard offloaded to the host is gathered on ``device``.
+
+    Like FSDP2's own all-gather: every rank's padded flat shard (equal sizes, dim-0 chunks in rank order) gathered
+    into one buffer whose first rows are the tensor; DTensor's ``full_tensor()`` for any other layout."""
+    from torch.distributed.tensor import DTensor, Shard
 
     sharded = fsdp_param.sharded_param
+    padded = getattr(fsdp_param, "_sharded_param_data", None)
+    rows = getattr(fsdp_param, "padded_sharded_param_size", None)
+    group = getattr(getattr(fsdp_param, "mesh_info", None), "shard_process_group", None)
+    plain = all(p.is_replicate() or (isinstance(p, Shard) and p.dim == 0) for p in sharded.placements)
+    if plain and padded is not None and rows is not None and group is not None and sharded.dim() > 0 \
+            and padded.numel() == math.prod(rows):
+        world = torch.distributed.get_world_size(group)
+        local = padded if padded.device == device else padded.to(device)
+        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+        _all_gather(gathered, local, group)
+        return gathered.view(world * rows[0], *rows[1:])[: sharded.shape[0]]
     local = sharded.to_local()
     if local.device != device:
         local = local.to(device)

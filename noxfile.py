@@ -242,7 +242,8 @@ def tests_verl_torch(session: nox.Session, torch: str) -> None:
     session.install("--no-deps", "-e", ".")
     config = "tests/verl/test_config.py::"  # the other config tests do not depend on torch
     workers = [f"tests/verl/{t}.py" for t in ("test_worker_fsdp", "test_worker_stateful", "test_worker_exports",
-                                              "test_fsdp_helpers")]  # one set of worker runs serves all of them
+                                              "test_worker_policy", "test_fsdp_helpers", "test_fsdp_policy")]
+    # one set of worker runs serves all the test_worker_* files; test_fsdp_policy reads FSDP1/FSDP2 internals
     _pytest(session, *workers, config + "test_unverified_torch_is_refused_with_its_version",
             config + "test_torch_under_test_is_the_one_intended_and_supported",
             env={"FAIRCAST_EXPECT_TORCH": torch, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

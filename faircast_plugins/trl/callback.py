@@ -175,14 +175,14 @@ class FairCastCallback(TrainerCallback):
         master (:meth:`Backend.policy_views`)."""
         if self.policy is None or not self.policy.due(step):
             return
-        served, master = self.backend.policy_views()
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:  # tokens the loss does not train (tool outputs) do not count
             mask = mask * inputs["tool_mask"]
-        with self.backend.policy_scope():
+        with self.backend.policy_scope() as swap:
+            served, master = self.backend.policy_views()
             self.policy.measure(self.backend.model(), step, inputs["prompt_ids"], inputs["prompt_mask"],
                                 inputs["completion_ids"], mask, served=served, master=master, temperature=temperature,
-                                collective=self.backend.policy_collective)
+                                collective=self.backend.policy_collective, swap=swap)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:

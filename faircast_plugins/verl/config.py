@@ -77,18 +77,7 @@ def read_faircast(worker_config: Any) -> Optional[FairCastConfig]:
         config = FairCastConfig.from_value(value, mode=sparse)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"actor_rollout_ref.faircast: {exc}") from None
-    if config.measures_policy and _strategy(worker_config) != MEGATRON_STRATEGY:  # Megatron: verl/megatron.py measures
-        raise ValueError(
-            f"actor_rollout_ref.faircast.policy_metrics_every={config.policy_metrics_every} is not supported under verl "
-            f"yet (the faircast/policy_* metrics run in TRL's GRPOTrainer/RLOOTrainer, one process or DDP). Remove it; "
-            f"actor_rollout_ref.faircast.audit=true logs faircast/lag_steps, the lag in weight space."
-        )
     return config
-
-
-def _strategy(worker_config: Any) -> Optional[str]:
-    actor = getattr(worker_config, "actor", None)
-    return actor.get("strategy", None) if actor is not None and hasattr(actor, "get") else None
 
 
 def delta_sync_advice(worker_config: Any) -> Optional[Tuple[str, str]]:
@@ -129,10 +118,40 @@ def rollout_quantization(worker_config: Any) -> Optional[str]:
     return str(value) if value else None
 
 
+def _get(node: Any, *path: str, default: Any = None) -> Any:
+    for key in path:
+        getter = getattr(node, "get", None)
+        node = getter(key, None) if getter is not None else None
+        if node is None:
+            return default
+    return node
+
+
+def check_policy_metrics(config: FairCastConfig, worker_config: Any, strategy: str, lora: int,
+                         quantization: Any) -> None:
+    """``policy_metrics_every`` on verl's FSDP engines: refuse what its probe (the HF model's own forward on padded
+    sequences, under the FSDP views of fsdp_policy) would not measure as the rollout serves it."""
+    what = f"actor_rollout_ref.faircast.policy_metrics_every={config.policy_metrics_every}"
+    ulysses = max(int(_get(worker_config, "actor", "ulysses_sequence_parallel_size", default=1) or 1),
+                  int(_get(worker_config, "actor", "fsdp_config", "ulysses_sequence_parallel_size", default=1) or 1))
+    if ulysses > 1:
+        raise ValueError(f"{what} with ulysses_sequence_parallel_size={ulysses} is not supported: the probe scores "
+                         f"whole sequences on each rank. Use ulysses_sequence_parallel_size=1, or remove it.")
+    if _get(worker_config, "model", "use_fused_kernels", default=False):
+        raise ValueError(f"{what} with model.use_fused_kernels=true is not supported: verl's fused forward returns "
+                         f"log-probs, and the probe needs the logits. Set use_fused_kernels=false, or remove it.")
+    if lora:
+        raise ValueError(f"{what} with LoRA (model.lora_rank={lora}) is not supported: not verified (the served "
+                         f"adapters and the frozen base). Remove it, or train without LoRA.")
+    if quantization:
+        raise ValueError(f"{what} with rollout.quantization={quantization} is not supported: the rollout serves the "
+                         f"quantized copy, and the probe scores the bf16 one. Remove it.")
+
+
 def check_supported(config: FairCastConfig, worker_config: Any) -> None:
     """Refuse, with the reason, the combinations verl's FSDP adapter cannot make bit-exact."""
     strategy = worker_config.actor.strategy
-    if strategy == MEGATRON_STRATEGY:
+    if strategy == MEGATRON_STRATEGY:  # policy_metrics_every: measured by verl/megatron.py (its refusals there)
         check_megatron(config, worker_config)
         return
     if verl_option(worker_config, "resume_without_state"):
@@ -164,6 +183,8 @@ def check_supported(config: FairCastConfig, worker_config: Any) -> None:
             f"with FSDP1, verl 0.9.1's adapter export came out empty in our checks, so the served adapters could "
             f"not be verified."
         )
+    if config.measures_policy:
+        check_policy_metrics(config, worker_config, strategy, lora, quantization=rollout_quantization(worker_config))
     quantization = rollout_quantization(worker_config)
     if verl_option(worker_config, "fp8_loss") and quantization != "fp8":
         raise ValueError(FP8_LOSS_NEEDS_FP8)

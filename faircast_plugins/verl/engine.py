@@ -18,6 +18,7 @@ from ..fsdp import (apply_fsdp_cast_patches, assemble_served, register_fsdp_modu
                     shard_layout, stage_for_cast, uneven_shards)
 from ..key import canonical_name
 from . import fp8 as fc_fp8
+from .policy import VerlPolicyProbe
 
 logger = logging.getLogger("faircast_plugins")
 
@@ -39,6 +40,7 @@ class EngineFairCast:
     newest: int = 0  # the newest weight version this engine reached (the audit follows that one only)
     audit: Any = None  # the caster's audit, detached while an older version's masters are restored
     fp8_audit: Any = None  # rollout.quantization=fp8: the audit, observing the export's fp8 copy (verl/fp8.py)
+    policy: Any = None  # policy_metrics_every: the faircast/policy_* probe (verl/policy.py)
 
     @property
     def stateful(self) -> bool:
@@ -81,10 +83,12 @@ def activate(engine, config: FairCastConfig) -> EngineFairCast:
         )
     apply_fsdp_cast_patches()
     caster = FairCaster(config)
+    policy = VerlPolicyProbe.of(config)
+    caster.policy_measured = policy is not None  # measured in update_actor (verl/policy.py)
     registered = register_fsdp_module(engine.module, caster)
     peft = hasattr(_hf_model(engine.module), "peft_config")
     state = EngineFairCast(caster, _export_names(engine.module, registered), engine.module, set(registered.values()),
-                           peft, audit=caster.audit)
+                           peft, audit=caster.audit, policy=policy)
     if needs_blocking_offload(engine):
         mark_blocking_offload(engine.module)
         logger.warning("Fair Cast: FSDP2 param_offload with uneven shards (%s, ...): verl's offload of this actor is a "

@@ -13,6 +13,7 @@ from ..patching import FairCastPatchError, PatchSet
 from . import engine as fc_engine
 from . import fp8 as fc_fp8
 from . import megatron as verl_megatron
+from . import policy as fc_policy
 from .config import MEGATRON_STRATEGY, check_supported, delta_sync_advice, read_faircast, verl_option
 
 logger = logging.getLogger("faircast_plugins")
@@ -151,9 +152,12 @@ def _wrap_init_model(original):
 def _wrap_update_actor(original):
     @functools.wraps(original)
     def update_actor(self, *args, **kwargs):
-        output = original(self, *args, **kwargs)
         engine = self.actor.engine if self.actor is not None else None
         state = fc_engine.state_of(engine) if engine is not None else None
+        if state is not None and state.policy is not None:  # before the update: the served version's masters
+            data = kwargs["data"] if "data" in kwargs else args[0]
+            fc_policy.measure(engine, state.policy, state.caster.version, data)
+        output = original(self, *args, **kwargs)
         megatron = verl_megatron.state_of(engine) if engine is not None else None
         if state is None and megatron is None:
             return output
@@ -165,6 +169,8 @@ def _wrap_update_actor(original):
         else:
             device = get_device_id() if state.caster.audit is not None else None
             extra = fc_engine.metrics(state, device=device)  # collective: every rank calls it
+            if state.policy is not None:
+                extra.update(fc_policy.metrics(state.policy))  # collective after a measurement (every rank)
         if output is not None:
             merged = dict(tu.get(output, "metrics") or {})
             merged.update(extra)

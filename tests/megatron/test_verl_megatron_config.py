@@ -76,7 +76,7 @@ def test_policy_metrics_are_refused_by_the_megatron_patch():
     from faircast_plugins.patching import FairCastPatchError
 
     for config in (FairCastConfig(enabled=True, policy_metrics_every=10), FairCastConfig(policy_metrics_every=10)):
-        with pytest.raises(FairCastPatchError, match="policy_metrics_every=10 is not supported by Megatron-core"):
+        with pytest.raises(FairCastPatchError, match="policy_metrics_every=10 is not measured by Megatron-core"):
             apply_megatron_patch(object(), FairCaster(config), model_chunks=[object()])
 
 

@@ -1,6 +1,6 @@
 """Run by test_fsdp.py under torchrun (2 CPU processes, gloo): TRL trainers on FSDP2 through accelerate, bf16.
 
-    torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm|rloo|async]   (MODE: stochastic | off)
+    torchrun --nproc_per_node 2 fsdp_grpo.py MODEL_DIR OUT_DIR MODE [vllm|rloo|async|policy]   (MODE: stochastic | off)
 
 Forward pre-hooks on every leaf module record, at every forward (generation, old log-probs, loss), whether the
 bf16 weights the forward read equal ``fair_cast(full fp32 master)`` at the current weight version (``off``: the
@@ -8,7 +8,8 @@ round-to-nearest copy of the master). The full masters are gathered (``full_tens
 and after every optimizer step. With ``vllm``, GRPO generates with a colocated vLLM engine on every rank, and after
 each sync every vLLM parameter is compared with the same expected copy. ``rloo`` runs RLOOTrainer instead of GRPO
 (no vLLM). ``async`` runs AsyncGRPOTrainer with the test stand-ins of async_stubs.py (rollout worker, recording
-weight transfer, CPU tree attention): rank 0 checks every streamed tensor of every sync. Each rank writes
+weight transfer, CPU tree attention): rank 0 checks every streamed tensor of every sync. ``policy`` turns on
+``faircast_policy_metrics_every=1`` and records what each measurement scored, at which weight version. Each rank writes
 ``OUT_DIR/<MODE>[-<variant>]-rank<R>.pt``.
 
 CPU shim (tests only): fsdp_cpu_shim.py finishes accelerate's FSDP branch for ``MULTI_CPU``.
@@ -23,6 +24,7 @@ sys.path.insert(0, HERE)
 model_dir, out_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 variant = sys.argv[4] if len(sys.argv) > 4 else ""
 use_vllm, rloo, is_async = variant == "vllm", variant == "rloo", variant == "async"
+policy = variant == "policy"  # faircast_policy_metrics_every=1 on 2 sequences per rank; what each measurement scored
 tag = f"{mode}-{variant}" if variant else mode
 
 import torch  # noqa: E402
@@ -190,6 +192,7 @@ args = config_class(
     fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "reshard_after_forward": True},
     faircast=(mode != "off"), faircast_mode=("stochastic" if mode == "off" else mode), faircast_seed=SEED,
     faircast_audit=True, **vllm_args,
+    **(dict(faircast_policy_metrics_every=1, faircast_policy_metrics_seqs=2) if policy else {}),
 )
 recorder = Recorder()
 injected = {}
@@ -203,6 +206,19 @@ from helpers import length_reward  # noqa: E402
 trainer = trainer_class(model=model_dir, reward_funcs=length_reward if REAL else cat_reward, args=args,
                         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[recorder], **injected)
 recorder.trainer = trainer
+measured = []  # policy: per measurement the weight version and the sequences scored (this rank's)
+if policy:
+    probe = trainer._faircast.policy
+    probe_measure = probe.measure
+
+    def measure(model, step, prompt_ids, prompt_mask, completion_ids, completion_mask, **kw):
+        n = probe.seqs
+        measured.append({"version": recorder.version, "step": step, "temperature": kw["temperature"],
+                         "prompt_ids": prompt_ids[:n].cpu(), "prompt_mask": prompt_mask[:n].cpu(),
+                         "completion_ids": completion_ids[:n].cpu(), "completion_mask": completion_mask[:n].cpu()})
+        return probe_measure(model, step, prompt_ids, prompt_mask, completion_ids, completion_mask, **kw)
+
+    probe.measure = measure
 if is_async:
     injected["weight_transfer"].trainer = trainer
 trainer.train()
@@ -228,5 +244,5 @@ torch.save({
     "n_mismatches": len(recorder.mismatches), "differs_from_nearest": recorder.differs_from_nearest,
     "masters": {} if REAL else recorder.masters, "vllm_syncs": recorder.vllm_syncs, "repacked": recorder.repacked,
     "export_dtypes": export_dtypes, "streamed": streamed, "output_dir": args.output_dir, "logs": logs,
-    "trainer": type(trainer).__name__,
+    "trainer": type(trainer).__name__, "measured": measured,
 }, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))

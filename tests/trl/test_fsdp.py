@@ -154,6 +154,81 @@ def test_async_grpo_fsdp2_loss_and_stream_are_fair_cast_of_the_master(fsdp_runs)
     assert ranks[1]["streamed"] == []
 
 
+# -- faircast_policy_metrics_every under FSDP2 (fsdp_grpo.py's "policy" variant) ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy_runs(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trl-fsdp-policy")
+    return {mode: _run(tiny_model_dir, out, mode, "policy") for mode in ("stochastic", "off")}
+
+
+def _policy_reference(model_dir: str, ranks: list, mode: str) -> list:
+    """Per measurement, the metrics computed in one process from the same tokens (every rank's, in rank order): an
+    unsharded fp32 model holding the full masters of that version, with each weight's full served copy swapped in
+    (Fair Cast of the full master; round to nearest with Fair Cast off)."""
+    from transformers import AutoModelForCausalLM
+
+    from faircast_plugins.key import canonical_name
+    from faircast_plugins.policy_lag import PolicyLagProbe, metrics_of, weights_swapped
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    probe = PolicyLagProbe(1, 2)
+    out = []
+    for i, first in enumerate(ranks[0]["measured"]):
+        version = first["version"]
+        masters = ranks[0]["masters"][version]
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(masters[name])
+        served = {id(p): (expected_served(masters[n], seed=SEED, version=version, name=n, mode="stochastic")
+                          if mode != "off" else masters[n].to(torch.bfloat16)).float() for n, p in params.items()}
+        rows = []
+        for res in ranks:
+            m = res["measured"][i]
+            assert m["version"] == version and m["step"] == first["step"]
+            probe.measure(model, m["step"], m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
+                          m["completion_mask"], served=lambda p: served[id(p)], master=lambda p: None,
+                          temperature=m["temperature"], swap=weights_swapped)
+            rows.append(probe.take())
+        out.append(metrics_of(torch.cat(rows)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "off"])
+def test_grpo_fsdp2_policy_metrics_equal_the_one_process_reference(policy_runs, tiny_model_dir, mode):
+    """faircast_policy_metrics_every=1 under FSDP2 at world size 2: every step's logged faircast/policy_* equal a
+    one-process computation from the same tokens with the full fp32 masters and the full served copy (Fair Cast's,
+    or round to nearest with Fair Cast off), gathered over both ranks."""
+    from faircast_plugins.policy_lag import ESS_KEY, KEYS, KL_KEY, SEQS_KEY
+
+    ranks = policy_runs[mode]
+    logs = [[h for h in res["logs"] if KL_KEY in h] for res in ranks]
+    assert logs[0] == logs[1] and len(logs[0]) == 3  # measured before each step, logged by every rank
+    assert [m["version"] for m in ranks[0]["measured"]] == [0, 1, 2]
+    want = _policy_reference(tiny_model_dir, ranks, mode)
+    for got, ref in zip(logs[0], want):
+        assert got[SEQS_KEY] == 4  # 2 sequences on each rank
+        assert {k: got[k] for k in KEYS} == pytest.approx(ref, rel=1e-5, abs=1e-9)
+    assert all(0 < h[ESS_KEY] <= 1 for h in logs[0])
+    if mode == "off":  # masters off the bf16 grid after the first step: round to nearest lags them
+        assert logs[0][0][KL_KEY] == 0.0 and all(h[KL_KEY] > 0 for h in logs[0][1:])
+        assert ranks[0]["differs_from_nearest"] == 0
+    else:
+        assert all(h[KL_KEY] > 0 for h in logs[0][1:])
+
+
+def test_grpo_fsdp2_policy_probe_changes_no_training(policy_runs, fsdp_runs):
+    """The measured run's masters after every step are bit-identical to the run without the probe, and its forwards
+    read exactly the served copy of every version (the probe left no swapped weight behind)."""
+    base, probed = fsdp_runs[("stochastic", "")], policy_runs["stochastic"]
+    _check_fsdp2_run(probed, "GRPOTrainer")
+    for version in (1, 2, 3):
+        for name, m in base[0]["masters"][version].items():
+            assert torch.equal(probed[0]["masters"][version][name], m), (version, name)
+
+
 @pytest.mark.parametrize("flags, match", [
     (dict(fsdp_config={"version": 1}), "FSDP1 .* is refused: only FSDP2"),
     (dict(bf16=False), "needs bf16 mixed precision"),

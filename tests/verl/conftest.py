@@ -86,6 +86,8 @@ EF_AUDIT = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:error_fe
 EMA = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},ema_decay:0.5}}"
 STICKY = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:sticky}}"
 STICKY_MERGE = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},mode:sticky,allow_merged_lora:true}}"
+POLICY_ON = f"+actor_rollout_ref.faircast={{enable:true,seed:{SEED},policy_metrics_every:1,policy_metrics_seqs:3}}"
+POLICY_OFF = "+actor_rollout_ref.faircast={enable:false,policy_metrics_every:1,policy_metrics_seqs:3}"
 EXAMPLE = os.path.join(EXAMPLE_DIR, "grpo_tiny_cpu.yaml")  # sets faircast: {enable: true, seed: 1234}
 
 
@@ -110,7 +112,10 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                           dict(name="fsdp2_ef", strategy="fsdp2", overrides=[EF], delta=True),
                           dict(name="fsdp_ema", strategy="fsdp", overrides=[EMA], delta=True),
                           dict(name="fsdp2_decoupled", strategy="fsdp2", overrides=[ON], decoupled=True),
-                          dict(name="fsdp2_nan_step", strategy="fsdp2", overrides=[ON], nan_first_step=True)]
+                          dict(name="fsdp2_nan_step", strategy="fsdp2", overrides=[ON], nan_first_step=True),
+                          # faircast/policy_* (test_worker_policy.py): FSDP2 with Fair Cast off, FSDP1 with it on
+                          dict(name="fsdp2_policy_off", strategy="fsdp2", overrides=[POLICY_OFF]),
+                          dict(name="fsdp_policy", strategy="fsdp", overrides=[POLICY_ON])]
             if world == 3:  # packed MoE experts (4 over 3 ranks: uneven shards of a 3-D parameter), unfused on export
                 cases.append(dict(name="fsdp2_moe", strategy="fsdp2", overrides=[ON], model_dir=moe_model_dir))
                 cases += [dict(name="fsdp2_ema", strategy="fsdp2", overrides=[EMA], delta=True),
@@ -135,7 +140,9 @@ def worker_runs(tmp_path_factory, model_dir, tied_model_dir, moe_model_dir):
                           dict(name="fsdp_export_only", strategy="fsdp", overrides=[ON], export_only=True),
                           dict(name="fsdp2_tied", strategy="fsdp2", overrides=[ON], model_dir=tied_model_dir),
                           dict(name="fsdp_tied", strategy="fsdp", overrides=[ON], model_dir=tied_model_dir),
-                          dict(name="fsdp_ef_decoupled", strategy="fsdp", overrides=[EF], decoupled=True)]
+                          dict(name="fsdp_ef_decoupled", strategy="fsdp", overrides=[EF], decoupled=True),
+                          dict(name="fsdp2_policy", strategy="fsdp2", overrides=[POLICY_ON]),
+                          dict(name="fsdp_policy_off", strategy="fsdp", overrides=[POLICY_OFF], temperature=0.7)]
             _RUNS[world] = (out, run_ranks(out, model_dir=model_dir, world=world, cases=cases))
         return _RUNS[world]
 

@@ -194,6 +194,9 @@ def run_case(case: dict, opts: dict, world: int) -> dict:
 
     from verl.utils import tensordict_utils as tu
 
+    if case.get("temperature"):  # the rollout's sampling temperature, as the driver hands it on
+        tu.assign_non_tensor(data, temperature=case["temperature"])
+
     def log_prob():
         td = data.clone()
         tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)

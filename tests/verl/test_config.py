@@ -127,6 +127,32 @@ def test_unsupported_setups_are_refused(override, message):
         check_supported(fc, cfg.actor_rollout_ref)
 
 
+POLICY = "+actor_rollout_ref.faircast={enable:true,policy_metrics_every:10}"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.strategy=megatron", "actor.strategy=megatron yet .*actor.strategy=fsdp or fsdp2"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
+    ("actor_rollout_ref.model.use_fused_kernels=true", "use_fused_kernels=true"),
+    ("actor_rollout_ref.model.lora_rank=8", "LoRA"),
+    ("actor_rollout_ref.rollout.quantization=fp8", "rollout.quantization=fp8"),
+])
+def test_policy_metrics_refusals(override, message):
+    """policy_metrics_every where verl's FSDP probe would not measure what the rollout serves: refused, named."""
+    cfg = compose(cpu_overrides("/x", "fsdp2", 8, 1) + [POLICY, *override.split(",")])
+    fc = read_faircast(cfg.actor_rollout_ref)
+    with pytest.raises(ValueError, match="policy_metrics_every=10 .*" + message):
+        check_supported(fc, cfg.actor_rollout_ref)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_policy_metrics_accepted_on_the_fsdp_engines(strategy):
+    cfg = compose(cpu_overrides("/x", strategy, 8, 1) + [POLICY])
+    fc = read_faircast(cfg.actor_rollout_ref)
+    assert fc.policy_metrics_every == 10
+    check_supported(fc, cfg.actor_rollout_ref)
+
+
 @pytest.mark.parametrize("extra", [
     ["actor_rollout_ref.model.lora_rank=8"],                                     # unmerged LoRA
     ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true",   # merged LoRA (opt-in)

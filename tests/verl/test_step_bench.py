@@ -6,5 +6,5 @@ from tests.step_bench_checks import check_step_bench_smoke
 
 
 def test_verl_step_bench_smoke(tmp_path):
-    check_step_bench_smoke(["verl_fsdp2.py", "--model-dir", str(tmp_path / "model")], tmp_path,
+    check_step_bench_smoke(["verl_fsdp2.py", "--model-dir", str(tmp_path / "model"), "--policy-seqs", "2"], tmp_path,
                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VERL_PLATFORM": "cpu"})

@@ -175,8 +175,10 @@ class Backend:
         raise NotImplementedError
 
     def policy_scope(self):
-        """Around one measurement's forwards (e.g. DeepSpeed ZeRO-3 forgets its prefetch trace afterwards)."""
-        return nullcontext()
+        """Around one measurement: a context that yields the probe's ``swap`` (None: the default
+        :func:`~faircast_plugins.policy_lag.weights_swapped`, over each module's own parameters); e.g. DeepSpeed
+        ZeRO-3 forgets its prefetch trace afterwards."""
+        return nullcontext(None)
 
     def metrics(self) -> Dict[str, float]:
         """Summed over ranks (:func:`audit.reduce_metrics`: a collective when distributed; every rank calls

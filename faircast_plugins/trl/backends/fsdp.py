@@ -11,11 +11,16 @@ casts its shards once per version, right after the optimizer step (EF advances i
 cast site of that version -- FSDP's all-gathers, the export -- gets the same bits), the export assembles each full
 tensor from every rank's served shard (:func:`faircast_plugins.fsdp.assemble_served`), and checkpoints hold one state
 file per rank.
+
+Policy metrics (``faircast_policy_metrics_every``): the two views are taken where FSDP2 gathers the weights
+(:mod:`faircast_plugins.fsdp_policy`): served = each module's unsharded bf16 weight widened to fp32, master = the
+parameter's full fp32 tensor gathered from its shards, one parameter at a time.
 """
 from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
@@ -35,6 +40,7 @@ class FSDPBackend(Backend):
     def __init__(self, trainer, caster):
         super().__init__(trainer, caster)
         self.names: Dict[str, str] = {}  # registered name -> canonical cast name (Fair Cast on)
+        self._views = None  # the policy metrics' FSDP views, during a measurement
 
     @property
     def stateful(self) -> bool:
@@ -92,6 +98,31 @@ class FSDPBackend(Backend):
             # EMA of the full masters)
             self.caster.advance([(n, m) for n, m, _ in self._shards()] if self.caster.ema_on else None)
             self._cast_shards()  # FSDP casts the stepped shards at the next all-gather, at the new version
+
+    # -- the policy metrics' two views of the weights ---------------------------------------------------------
+    policy_collective = True  # every forward all-gathers FSDP's shards: the ranks run as many
+
+    def check_policy_metrics(self, trainer_name: str) -> None:
+        """FSDP2 holds both views where its forward gathers them (:mod:`faircast_plugins.fsdp_policy`)."""
+        self.caster.policy_measured = True  # register_fsdp_module then accepts the option from this adapter
+
+    @contextmanager
+    def policy_scope(self):
+        """FSDP's casts of forward inputs to bf16 off; the probe swaps the views in where FSDP gathered the weights."""
+        from ...fsdp_policy import FSDPPolicyViews
+
+        self._views = FSDPPolicyViews(self.model())
+        try:
+            with self._views.scope():
+                yield self._views.swapped
+        finally:
+            self._views = None
+
+    def policy_views(self):
+        """Served: each module's unsharded bf16 weight (FSDP's cast of the shards: Fair Cast's, or round to nearest
+        with it off) widened to fp32; master: the parameter's full fp32 tensor gathered from the shards, one
+        parameter at a time in forward order (a collective every rank runs). Only inside :meth:`policy_scope`."""
+        return self._views.served, self._views.master
 
     # -- export ---------------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,286 @@
+"""The served copy and the fp32 master of an FSDP-wrapped policy, for ``faircast/policy_*`` (FSDP1 and FSDP2).
+
+:class:`~faircast_plugins.policy_lag.PolicyLagProbe` scores a few sequences twice, once on each copy of the weights.
+Under FSDP neither copy exists whole outside a forward: each unit's forward gathers its weights and frees them after.
+So the views are taken where FSDP has gathered them, one module (FSDP2) or one unit (FSDP1) at a time:
+
+FSDP2 (``fully_shard``)
+    during a module's forward its registered parameter is the unsharded bf16 tensor FSDP's all-gather built from the
+    bf16 cast of every rank's shard: the served copy (Fair Cast's bits through :mod:`faircast_plugins.fsdp`'s patched
+    cast, or round to nearest with Fair Cast off, what the standard export serves). Served view: that tensor widened
+    to fp32 (exact). Master view: the fp32 full tensor of the parameter's sharded DTensor (``full_tensor()``: one
+    all-gather per parameter, in forward order, the same on every rank).
+FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True or False)
+    served view: the unit's bf16 unsharded views (the patched low-precision shard, or round to nearest) widened to
+    fp32 around each module's forward; master view: FSDP1's own full-precision eval unshard (what
+    ``summon_full_params`` uses), which gathers the fp32 flat shards instead of the bf16 ones, one unit at a time.
+
+Both forwards run in fp32: inside :func:`policy_scope` FSDP's casts of forward inputs to ``param_dtype`` (FSDP2's
+``cast_forward_inputs``/``output_dtype``, FSDP1's ``cast_forward_inputs``/``cast_root_forward_inputs``) are off, and
+the probe turns autocast off. Nothing is written to a parameter or a shard; every swapped attribute is put back after
+its module's forward, and FSDP1 handles the scope unsharded are resharded (freed) when it exits.
+
+Memory: FSDP2, one parameter's fp32 full tensor beside FSDP's unsharded layer; FSDP1, one unit's fp32 unsharded flat
+parameter instead of its bf16 one (twice its bytes) during the master forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .fsdp import _all_gather, _param_groups
+from .patching import FairCastPatchError
+
+#: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
+OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
+
+
+def _widened(module: nn.Module, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The served view: FSDP's low-precision unsharded weight, widened to fp32 (exact)."""
+    return t.detach().float() if t.is_floating_point() and t.dtype != torch.float32 else None
+
+
+class _View:
+    """One copy of the weights as the probe's forward reads it: a per-attribute view, and what FSDP must do around
+    the whole forward (FSDP1's full-precision unshard for the master)."""
+
+    def __init__(self, view: Optional[OwnedView], around: Callable = None):
+        self.view, self.around = view, around
+
+    @contextmanager
+    def forward(self):
+        if self.around is None:
+            yield
+        else:
+            with self.around():
+                yield
+
+
+def fsdp1_modules(root: nn.Module) -> list:
+    """The FSDP1 units under ``root`` (``FullyShardedDataParallel`` modules), in module order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m for m in root.modules() if isinstance(m, FSDP)]
+
+
+def _fsdp2_owners(states) -> Dict[Tuple[int, str], object]:
+    """``{(id(module), attribute): FSDPParam}`` for every place an FSDP2 parameter is registered (tied: each)."""
+    owners = {}
+    for state in states:
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                owners[(id(info.module), info.param_name)] = fsdp_param
+                for module, name in zip(info.shared_modules, info.shared_param_names):
+                    owners[(id(module), name)] = fsdp_param
+    return owners
+
+
+def _fsdp1_slots(units) -> Dict[int, Tuple[nn.Module, List[str]]]:
+    """``{id(module): (module, attributes)}`` of every original parameter FSDP1 flattened (tied: every place)."""
+    slots: Dict[int, Tuple[nn.Module, List[str]]] = {}
+    for unit in units:
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        for info in list(flat._param_infos) + list(flat._shared_param_infos):
+            slots.setdefault(id(info.module), (info.module, []))[1].append(info.param_name)
+    return slots
+
+
+def full_master(fsdp_param, device: torch.device) -> torch.Tensor:
+    """The fp32 full tensor of one FSDP2 parameter (a collective over the group it is sharded over: every rank calls
+    it for the same parameters in the same order). A shard offloaded to the host is gathered on ``device``.
+
+    Like FSDP2's own all-gather: every rank's padded flat shard (equal sizes, dim-0 chunks in rank order) gathered
+    into one buffer whose first rows are the tensor; DTensor's ``full_tensor()`` for any other layout."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = fsdp_param.sharded_param
+    padded = getattr(fsdp_param, "_sharded_param_data", None)
+    rows = getattr(fsdp_param, "padded_sharded_param_size", None)
+    group = getattr(getattr(fsdp_param, "mesh_info", None), "shard_process_group", None)
+    plain = all(p.is_replicate() or (isinstance(p, Shard) and p.dim == 0) for p in sharded.placements)
+    if plain and padded is not None and rows is not None and group is not None and sharded.dim() > 0 \
+            and padded.numel() == math.prod(rows):
+        world = torch.distributed.get_world_size(group)
+        local = padded if padded.device == device else padded.to(device)
+        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+        _all_gather(gathered, local, group)
+        return gathered.view(world * rows[0], *rows[1:])[: sharded.shape[0]]
+    local = sharded.to_local()
+    if local.device != device:
+        local = local.to(device)
+        sharded = DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False,
+                                     shape=sharded.shape, stride=sharded.stride())
+    return sharded.full_tensor().detach()
+
+
+@contextmanager
+def _no_input_casts(states2, units1):
+    """FSDP's casts of forward inputs (and FSDP2's of outputs) to the low precision, off: the probe's activations stay
+    fp32 between units."""
+    saved = []
+    try:
+        for state in states2:
+            saved.append((state, "_mp_policy", state._mp_policy))
+            state._mp_policy = dataclasses.replace(state._mp_policy, cast_forward_inputs=False, output_dtype=None)
+        for unit in units1:
+            mp = unit.mixed_precision
+            saved.append((unit, "mixed_precision", mp))
+            setattr(unit, "mixed_precision", dataclasses.replace(mp, cast_forward_inputs=False,
+                                                                 cast_root_forward_inputs=False))
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+def _reshard_fsdp1(units) -> None:
+    """Free every FSDP1 unit's unsharded flat parameter that is still allocated (FSDP1 keeps the root's after its
+    forward): the next unshard then gathers the current shards, in whichever precision is asked for."""
+    for unit in units:
+        handle = unit._handle
+        if handle is None or not handle.uses_sharded_strategy:
+            continue
+        padded = handle._get_padded_unsharded_flat_param()
+        if padded.untyped_storage().size() > 0:
+            handle.reshard(True)
+            handle.post_reshard()
+
+
+@contextmanager
+def _fsdp1_full_precision(units):
+    """Inside (with the modules in eval mode): FSDP1's unshard gathers the fp32 flat shards, so each module's
+    attributes during its forward are views of the full fp32 masters; the full-precision buffers are freed after."""
+    handles = [u._handle for u in units if u._handle is not None]
+    saved = [(obj, obj._use_full_prec_in_eval) for obj in list(units) + handles]
+    _reshard_fsdp1(units)
+    for obj, _ in saved:
+        obj._use_full_prec_in_eval = True
+    try:
+        yield
+    finally:
+        try:
+            _reshard_fsdp1(units)  # with the flag still on: the fp32 buffers
+        finally:
+            for obj, value in saved:
+                obj._use_full_prec_in_eval = value
+
+
+@contextmanager
+def owned_swapped(slots: Dict[int, Tuple[nn.Module, List[str]]], view: _View):
+    """Forwards inside read ``view`` instead of each listed attribute: swapped in by a forward pre-hook on its module
+    and back by a forward hook, so at most one module's other copy is alive at a time. A parameter (FSDP2, FSDP1 with
+    ``use_orig_params``) gets its ``.data`` swapped; a plain tensor attribute (FSDP1's unsharded views) is set."""
+    saved: Dict[int, list] = {}
+
+    def pre(module, args):
+        swapped = []
+        for name in slots[id(module)][1]:
+            t = getattr(module, name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            other = view.view(module, name, t) if view.view is not None else None
+            if other is None:
+                continue
+            if isinstance(t, nn.Parameter):
+                swapped.append((t, None, t.data))
+                t.data = other
+            else:  # FSDP1's plain tensor view, an instance attribute (set as nn.Module's checks would refuse it)
+                swapped.append((module, name, t))
+                module.__dict__[name] = other
+        saved.setdefault(id(module), []).append(swapped)
+
+    def put_back(swapped):
+        for owner, name, data in reversed(swapped):
+            if name is None:
+                owner.data = data
+            else:
+                owner.__dict__[name] = data
+
+    def post(module, args, output):
+        put_back(saved[id(module)].pop())
+
+    handles = []
+    try:
+        with view.forward():
+            for module, _ in slots.values():
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post, always_call=True))
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        for stack in saved.values():  # a forward that raised: put back what it left swapped
+            for swapped in reversed(stack):
+                put_back(swapped)
+
+
+class FSDPPolicyViews:
+    """The probe's two views of an FSDP1 or FSDP2 policy ``root`` (see the module docstring).
+
+    Use inside :meth:`scope`: ``probe.measure(root, ..., served=views.served, master=views.master,
+    swap=views.swapped)``."""
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules2 = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        self.states2 = [m._get_fsdp_state() for m in self.modules2]
+        self.units1 = fsdp1_modules(root)
+        if not self.states2 and not self.units1:
+            raise FairCastPatchError(f"faircast policy metrics: {type(root).__name__} holds no FSDP1 or FSDP2 module")
+        self.slots: Dict[int, Tuple[nn.Module, List[str]]] = {}
+        self.owners = _fsdp2_owners(self.states2)
+        for fsdp_param in {id(p): p for p in self.owners.values()}.values():
+            info = fsdp_param._module_info
+            for module, name in [(info.module, info.param_name)] + list(zip(info.shared_modules,
+                                                                                info.shared_param_names)):
+                names = self.slots.setdefault(id(module), (module, []))[1]
+                if name not in names:
+                    names.append(name)
+        for key, (module, names) in _fsdp1_slots(self.units1).items():
+            have = self.slots.setdefault(key, (module, []))[1]
+            have.extend(n for n in names if n not in have)
+        self.served = _View(_widened)
+        self.master = _View(self._fsdp2_master if self.owners else None,
+                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None)
+
+    def _fsdp2_master(self, module: nn.Module, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+        fsdp_param = self.owners.get((id(module), name))
+        if fsdp_param is None:
+            return None
+        if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+            raise FairCastPatchError(f"faircast policy metrics: FSDP2 parameter {name} of {type(module).__name__} is a "
+                                     f"tensor subclass with its own all-gather; its fp32 master cannot be gathered")
+        return full_master(fsdp_param, t.device)
+
+    def swapped(self, model: nn.Module, view: _View):
+        """The ``swap`` argument of :meth:`PolicyLagProbe.measure`."""
+        return owned_swapped(self.slots, view)
+
+    @contextmanager
+    def scope(self) -> Iterator["FSDPPolicyViews"]:
+        """Around a measurement: every unit resharded first (a root FSDP left unsharded by an earlier forward gathers
+        the current shards again), FSDP's low-precision casts of forward inputs off, FSDP1 units resharded after."""
+        for module in self.modules2:  # a root left unsharded by an earlier forward gathers the current shards again
+            module.reshard()
+        if self.units1:
+            _reshard_fsdp1(self.units1)
+        try:
+            with _no_input_casts(self.states2, self.units1):
+                yield self
+        finally:
+            if self.units1:
+                _reshard_fsdp1(self.units1)
+
+
+__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "owned_swapped"]

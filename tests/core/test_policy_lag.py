@@ -214,11 +214,11 @@ def test_stacks_without_the_metric_refuse_it_at_activation():
     from faircast_plugins.verl.config import read_faircast
 
     caster = FairCaster(FairCastConfig(policy_metrics_every=10))  # no adapter set caster.policy_measured
-    with pytest.raises(FairCastPatchError, match="apply_deepspeed_patch.*Remove the option"):
+    with pytest.raises(FairCastPatchError, match="apply_deepspeed_patch.*measure_policy=True.*remove the option"):
         apply_deepspeed_patch(object(), caster)
     with pytest.raises(FairCastPatchError, match="register_fsdp_module"):
         register_fsdp_module(torch.nn.Linear(2, 2), caster)
-    # verl measures it on its FSDP engines (verl/policy.py); its Megatron engine refuses it (tests/verl/test_config.py)
+    # verl measures it on its FSDP engines (verl/policy.py) and its Megatron engine (verl/megatron.py)
     assert read_faircast({"faircast": {"enable": True, "policy_metrics_every": 10}}).policy_metrics_every == 10
     assert read_faircast({"faircast": {"enable": True}}).policy_metrics_every == 0
 

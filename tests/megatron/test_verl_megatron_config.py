@@ -80,14 +80,13 @@ def test_policy_metrics_are_refused_by_the_megatron_patch():
             apply_megatron_patch(object(), FairCaster(config), model_chunks=[object()])
 
 
-def test_verl_accepts_policy_metrics_on_the_megatron_strategy_only():
-    """verl's Megatron engine measures faircast/policy_* (faircast_plugins/verl/megatron.py); the FSDP strategies do
-    not yet, so their config refuses it."""
-    from faircast_plugins.verl.config import read_faircast
+def test_verl_accepts_policy_metrics_on_the_megatron_strategy():
+    """verl's Megatron engine measures faircast/policy_* (faircast_plugins/verl/megatron.py), so the config check
+    before the model build accepts it there (as on the FSDP strategies, tests/verl)."""
+    from faircast_plugins.verl.config import check_supported, read_faircast
 
     config = _worker_config()
     config.faircast = {"enable": True, "policy_metrics_every": 5}
-    assert read_faircast(config).policy_metrics_every == 5
-    config.actor.strategy = "fsdp2"
-    with pytest.raises(ValueError, match="policy_metrics_every=5 is not supported"):
-        read_faircast(config)
+    faircast = read_faircast(config)
+    assert faircast.policy_metrics_every == 5
+    check_supported(faircast, config)  # no refusal on actor.strategy=megatron

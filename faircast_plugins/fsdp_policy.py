@@ -35,6 +35,7 @@ from torch import nn
 
 from .fsdp import _all_gather, _param_groups
 from .patching import FairCastPatchError
+from .policy_lag import swap_hooks
 
 #: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
 OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
@@ -179,9 +180,7 @@ def owned_swapped(slots: Dict[int, Tuple[nn.Module, List[str]]], view: _View):
     """Forwards inside read ``view`` instead of each listed attribute: swapped in by a forward pre-hook on its module
     and back by a forward hook, so at most one module's other copy is alive at a time. A parameter (FSDP2, FSDP1 with
     ``use_orig_params``) gets its ``.data`` swapped; a plain tensor attribute (FSDP1's unsharded views) is set."""
-    saved: Dict[int, list] = {}
-
-    def pre(module, args):
+    def pre(module, args, kwargs):
         swapped = []
         for name in slots[id(module)][1]:
             t = getattr(module, name)
@@ -196,7 +195,7 @@ def owned_swapped(slots: Dict[int, Tuple[nn.Module, List[str]]], view: _View):
             else:  # FSDP1's plain tensor view, an instance attribute (set as nn.Module's checks would refuse it)
                 swapped.append((module, name, t))
                 module.__dict__[name] = other
-        saved.setdefault(id(module), []).append(swapped)
+        return swapped, args, kwargs
 
     def put_back(swapped):
         for owner, name, data in reversed(swapped):
@@ -205,22 +204,8 @@ def owned_swapped(slots: Dict[int, Tuple[nn.Module, List[str]]], view: _View):
             else:
                 owner.__dict__[name] = data
 
-    def post(module, args, output):
-        put_back(saved[id(module)].pop())
-
-    handles = []
-    try:
-        with view.forward():
-            for module, _ in slots.values():
-                handles.append(module.register_forward_pre_hook(pre))
-                handles.append(module.register_forward_hook(post, always_call=True))
-            yield
-    finally:
-        for h in handles:
-            h.remove()
-        for stack in saved.values():  # a forward that raised: put back what it left swapped
-            for swapped in reversed(stack):
-                put_back(swapped)
+    with view.forward(), swap_hooks([module for module, _ in slots.values()], pre, put_back):
+        yield
 
 
 class FSDPPolicyViews:

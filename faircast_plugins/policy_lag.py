@@ -150,6 +150,37 @@ def summarize(stats: torch.Tensor) -> Dict[str, float]:
 
 
 @contextmanager
+def swap_hooks(modules, swap_in: Callable, put_back: Callable):
+    """Forwards of ``modules`` inside run between ``swap_in(module, args, kwargs) -> (swapped, args, kwargs)``, the
+    innermost forward pre-hook (registered last: after e.g. DeepSpeed ZeRO-3's all-gather of the module's partitions),
+    and ``put_back(swapped)``, the innermost forward hook (``prepend=True``: before e.g. ZeRO-3's or FSDP's release of
+    the gathered weights; ``always_call``: also when the forward raises). Whatever is still swapped on exit is put
+    back."""
+    saved: Dict[int, List] = {}
+
+    def pre(module, args, kwargs):
+        swapped, args, kwargs = swap_in(module, args, kwargs)
+        saved.setdefault(id(module), []).append(swapped)
+        return args, kwargs
+
+    def post(module, args, output):
+        put_back(saved[id(module)].pop())
+
+    handles = []
+    try:
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, prepend=True, always_call=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for stack in saved.values():
+            for swapped in reversed(stack):
+                put_back(swapped)
+
+
+@contextmanager
 def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
                     shared: Optional[Dict[torch.nn.Module, List[torch.nn.Parameter]]] = None, *, rebind: bool = False):
     """Forwards of ``model`` inside run on ``view(p)`` instead of each parameter ``p`` (None: ``p`` itself).
@@ -170,7 +201,6 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
     module's ``_parameters`` slot for the forward (a ``shared`` one: in the forward's arguments): needed where the view
     has another dtype than ``p`` and something holds ``p``'s gradient accumulator (torch resets it when ``p.data``
     changes dtype, dropping the hooks registered on it: Megatron's DDP reduces gradients from such hooks)."""
-    saved: Dict[int, List] = {}
     extra = {id(m): list(ps) for m, ps in (shared or {}).items()}
 
     def swap_in(module, args, kwargs):
@@ -191,8 +221,7 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
                 if other is not None:
                     swapped.append((p, p.data))
                     p.data = other
-        saved.setdefault(id(module), []).append(swapped)
-        return args, kwargs
+        return swapped, args, kwargs
 
     def put_back(swapped):
         for item in swapped:
@@ -203,22 +232,9 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
                 p, data = item
                 p.data = data
 
-    def post(module, args, output):
-        put_back(saved[id(module)].pop())
-
-    handles = []
-    try:
-        for module in model.modules():
-            if next(module.parameters(recurse=False), None) is not None or id(module) in extra:
-                handles.append(module.register_forward_pre_hook(swap_in, with_kwargs=True))
-                handles.append(module.register_forward_hook(post, prepend=True))
+    with swap_hooks([m for m in model.modules()
+                     if next(m.parameters(recurse=False), None) is not None or id(m) in extra], swap_in, put_back):
         yield
-    finally:
-        for h in handles:
-            h.remove()
-        for stack in saved.values():  # a forward that raised: put back what it left swapped
-            for swapped in reversed(stack):
-                put_back(swapped)
 
 
 def served_weight(master: torch.Tensor, *, enabled: bool, mode: str, key: int, backend: str = "auto") -> torch.Tensor:
@@ -408,5 +424,5 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
     return out
 
 
-__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
+__all__ = ["DEFAULT_SEQS", "swap_hooks", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
            "summarize", "vocab_parallel_sequence_stats", "weights_swapped"]

@@ -246,3 +246,10 @@ torch.save({
     "export_dtypes": export_dtypes, "streamed": streamed, "output_dir": args.output_dir, "logs": logs,
     "trainer": type(trainer).__name__, "measured": measured,
 }, os.path.join(out_dir, f"{tag}-rank{rank}.pt"))
+# Leave the process group before the interpreter exits: once, under load, a rank aborted at exit ("terminate called
+# without an active exception") while gloo's threads were still alive, after every step had passed.
+import torch.distributed as dist  # noqa: E402
+
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()

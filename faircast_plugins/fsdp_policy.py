@@ -35,7 +35,7 @@ from torch import nn
 
 from .fsdp import _all_gather, _param_groups
 from .patching import FairCastPatchError
-from .policy_lag import swap_hooks
+from .policy_lag import swap_hooks, widened
 
 #: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
 OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
@@ -43,7 +43,7 @@ OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
 
 def _widened(module: nn.Module, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
     """The served view: FSDP's low-precision unsharded weight, widened to fp32 (exact)."""
-    return t.detach().float() if t.is_floating_point() and t.dtype != torch.float32 else None
+    return widened(t)
 
 
 class _View:

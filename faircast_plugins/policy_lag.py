@@ -237,6 +237,12 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
         yield
 
 
+def widened(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A 16-bit weight (the served copy a module computes with) widened to fp32, exact; None for an fp32 weight (the
+    view of a parameter that is the same in both copies)."""
+    return t.detach().float() if t.is_floating_point() and t.dtype != torch.float32 else None
+
+
 def served_weight(master: torch.Tensor, *, enabled: bool, mode: str, key: int, backend: str = "auto") -> torch.Tensor:
     """The served copy of one fp32 master, as the export casts it, widened to fp32 (exact): round to nearest with Fair
     Cast off (what the standard export serves), ``fair_cast(master, key, mode)`` with it on. Modes whose served copy
@@ -425,4 +431,4 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
 
 
 __all__ = ["DEFAULT_SEQS", "swap_hooks", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
-           "summarize", "vocab_parallel_sequence_stats", "weights_swapped"]
+           "summarize", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]

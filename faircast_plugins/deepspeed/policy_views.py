@@ -35,13 +35,13 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..patching import FairCastPatchError
+from ..policy_lag import widened
 
 View = Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
 
 
-def served_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The module's bf16 weight (gathered, inside a ZeRO-3 module forward) widened to fp32; None for fp32 weights."""
-    return p.data.float() if p.is_floating_point() and p.dtype != torch.float32 else None
+#: the served view: the module's bf16 weight (gathered, inside a ZeRO-3 module forward) widened to fp32
+served_view = widened
 
 
 def master_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:

@@ -299,6 +299,11 @@ def float16_pairs(optimizer) -> List[Tuple[torch.Tensor, torch.nn.Parameter]]:
             for param, main in zip(model_group, main_group)]
 
 
+def sub_optimizers(optimizer) -> List:
+    """The optimizers inside a Megatron ``ChainedOptimizer`` (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def first_device(optimizer) -> Optional[torch.device]:
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -40,7 +40,8 @@ from ..patching import FairCastPatchError, PatchSet, installed_version
 from ..policy_lag import refuse_policy_metrics
 from .hf_map import (ConverterError, HFGroup, VOCAB_PARAMS, build_element_map, converter_lookup, hf_vocab_size_of,
                      range_runs)
-from .layout import LayoutError, ParamKey, _unwrap, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys
+from .layout import (LayoutError, ParamKey, _unwrap, dp_ranges, first_device, float16_pairs, fp32_ranges, param_keys,
+                     sub_optimizers)
 from .runs import local_runs
 
 logger = logging.getLogger("faircast_plugins")
@@ -60,10 +61,6 @@ SUPPORTED = {
 
 def _installed() -> str:
     return installed_version(DISTRIBUTION) or "?"
-
-
-def _sub_optimizers(optimizer) -> List:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 class MegatronFairCast:
@@ -181,7 +178,7 @@ class MegatronFairCast:
         A collective over each distributed optimizer's data-parallel group: every rank runs all of them, whatever it
         found (a rank that returned early would wait in the next collective while its peers wait in this one)."""
         found = self.problem
-        for opt in _sub_optimizers(self.optimizer):
+        for opt in sub_optimizers(self.optimizer):
             if getattr(opt, "is_stub_optimizer", False):
                 continue
             owned = _bf16_elements(opt)
@@ -240,7 +237,7 @@ class MegatronFairCast:
     def _sharding(self) -> dict:
         """What a rank's per-element state depends on: the DP ranges it casts."""
         ranges = []
-        for opt in _sub_optimizers(self.optimizer):
+        for opt in sub_optimizers(self.optimizer):
             if type(opt).__name__ == "DistributedOptimizer":
                 ranges += [(self.keys[id(p)].name, s, e) for _, p, s, e, _ in dp_ranges(opt, destinations=False)
                            if id(p) in self.keys]
@@ -402,7 +399,7 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     if warning:
         logger.warning(warning)
     install_megatron_patch()
-    subs = _sub_optimizers(optimizer)
+    subs = sub_optimizers(optimizer)
     check_optimizer(optimizer)
     if model_chunks is None:
         model_chunks = [c for opt in subs for c in (getattr(opt, "model_chunks", None) or [])]
@@ -496,13 +493,13 @@ def hf_cast_groups(subs, model_chunks, keys: Dict[int, ParamKey], *, bridge=None
 
 def remove_megatron_patch(optimizer) -> None:
     """Detach Fair Cast from ``optimizer``: its main->model copy is round-to-nearest again."""
-    for opt in _sub_optimizers(optimizer) + [optimizer]:
+    for opt in sub_optimizers(optimizer) + [optimizer]:
         opt.__dict__.pop("_faircast", None)
 
 
 def check_optimizer(optimizer) -> None:
     """Refuse, with the reason, the optimizers and options whose bf16 params Fair Cast cannot make bit-exact."""
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         name = type(opt).__name__
         if SUPPORTED.get(name) != type(opt).__module__:
             raise FairCastPatchError(

@@ -38,14 +38,10 @@ import torch
 
 from ..patching import FairCastPatchError
 from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, gather_rows, metrics_of,
-                          vocab_parallel_sequence_stats, weights_swapped)
-from .layout import _unwrap, dp_ranges, float16_pairs, first_device
+                          vocab_parallel_sequence_stats, weights_swapped, widened)
+from .layout import _unwrap, dp_ranges, float16_pairs, first_device, sub_optimizers
 
 WHERE = "the faircast/policy_* metrics under Megatron-core (faircast_plugins.megatron.policy)"
-
-
-def _subs(optimizer) -> List:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 class MasterView:
@@ -55,7 +51,7 @@ class MasterView:
     def __init__(self, optimizer):
         self.whole: Dict[int, torch.Tensor] = {}  # Float16 optimizer: id(param) -> fp32 main param
         self.sharded: Dict[int, tuple] = {}  # distributed optimizer: id(param) -> (group, shard or None, start, end)
-        for opt in _subs(optimizer):
+        for opt in sub_optimizers(optimizer):
             if getattr(opt, "is_stub_optimizer", False):
                 continue
             if type(opt).__name__ == "DistributedOptimizer":
@@ -86,9 +82,8 @@ class MasterView:
         return full.view(p.shape)
 
 
-def served_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The model's bf16 param (the served copy), widened to fp32 (exact); fp32 params as they are."""
-    return p.data.float() if p.is_floating_point() and p.dtype != torch.float32 else None
+#: the served view: the model's bf16 param (the served copy) widened to fp32; fp32 params as they are
+served_view = widened
 
 
 #: attributes of megatron-core's ``FusedScaleMaskSoftmax`` that make it round the attention probabilities back to the

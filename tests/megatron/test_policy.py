@@ -1,7 +1,7 @@
 """faircast/policy_* under Megatron-core (faircast_plugins/megatron/policy.py), CPU, gloo: the probe's metrics equal a
 one-process reference (a TP=1 fp32 GPT holding the full served copy, then the full master), at world 1 (distributed
 and Float16 optimizers, tied embedding), DP2, TP2, EP2 (MoE, SequentialMLP) and TP2 x DP2; flag off serves round to nearest of the master;
-nothing is left behind (the run with the probe trains exactly as the run without); pipeline parallelism is refused.
+PP2; nothing is left behind (the run with the probe trains exactly as the run without); virtual pipeline chunks are refused.
 The scenarios (tests/megatron/worker.py ``policy*``) run in test_megatron.py's launches."""
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ def test_tp2_x_dp2_metrics_equal_the_one_process_reference(ws4):
     _check(ws4, "policy_tp2", dp=2)
 
 
-def test_pipeline_parallel_is_refused_with_what_to_use(ws2):
+def test_pp2_metrics_equal_the_one_process_reference(ws2):
+    """Two pipeline stages: the probe runs Megatron's forward-only schedule (fp32 activations between the stages)."""
+    _check(ws2, "policy_pp2", dp=1)
+    ranks = _ranks(ws2, "policy_pp2")
+    assert sorted(r["coords"]["pp"] for r in ranks) == [0, 1]
+
+
+def test_virtual_pipeline_is_refused_with_what_to_use(ws2):
     for r in _ranks(ws2, "policy_pp2"):
-        assert r["refused"] and "pipeline_model_parallel_size=1" in r["refused"], r
+        assert r["refused"] and "one chunk per rank" in r["refused"], r

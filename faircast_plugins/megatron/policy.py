@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..patching import FairCastPatchError
-from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, gather_rows, metrics_of,
+from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, gather_rows, metrics_of, sequence_stats,
                           vocab_parallel_sequence_stats, weights_swapped, widened)
 from .layout import _unwrap, dp_ranges, float16_pairs, first_device, sub_optimizers
 
@@ -299,8 +299,9 @@ class MegatronPolicyProbe:
                     s = self._logits(served_view, ids, pos, att)
                     m = self._logits(self.master, ids, pos, att)
                     if s is not None and n * chunk < count:
-                        rows.append(vocab_parallel_sequence_stats(*counted_positions(
-                            s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:]), temperature, group=tp_group))
+                        args = counted_positions(s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:])
+                        rows.append(vocab_parallel_sequence_stats(*args, temperature, group=tp_group) if tp > 1
+                                    else sequence_stats(*args, temperature))  # TP 1: the whole vocabulary here
                     del s, m
         finally:
             self.model.train(was_training)

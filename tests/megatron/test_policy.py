@@ -69,3 +69,19 @@ def test_pp2_metrics_equal_the_one_process_reference(ws2):
 def test_virtual_pipeline_is_refused_with_what_to_use(ws2):
     for r in _ranks(ws2, "policy_pp2"):
         assert r["refused"] and "one chunk per rank" in r["refused"], r
+
+
+def test_verl_engine_refuses_the_metric_at_pp2(monkeypatch):
+    """verl's Megatron engine at PP > 1: the pipelined probe has not run through it, so the metric is refused there
+    (naming the option and what to use), before anything is patched."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from faircast_plugins import FairCastConfig
+    from faircast_plugins.verl import megatron as verl_megatron
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    engine = SimpleNamespace(optimizer=object(), module=[])
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1 for the metric"):
+        verl_megatron.activate(engine, FairCastConfig(enabled=True, seed=1, policy_metrics_every=1))

@@ -23,11 +23,23 @@ mode (no dropout), without autocast. The logits are vocab-parallel (``[B, T, V /
 :func:`~faircast_plugins.policy_lag.vocab_parallel_sequence_stats` makes the log-softmax exact over the whole
 (padded) vocabulary. Every tensor-parallel rank gets the same rows; they are gathered over the data-parallel group.
 
-Collectives: each rank of a data-parallel group runs the same forward, hence the same per-param all-reduces in the
+Pipeline parallelism: the probe runs megatron-core's own forward-only schedule (``get_forward_backward_func()``, one
+micro-batch of the probe's sequences) once per view, every stage's params swapped, the activations sent between the
+stages in fp32 (``config.pipeline_dtype`` is fp32 for the call: Megatron would send them in bf16, a rounding that is
+not the weights' difference); the last stage scores the logits and broadcasts its rows over the pipeline group, so
+every stage holds the same rows. Every stage of a data-parallel rank is given the same batch.
+
+Only what the counted tokens need is computed: the positions after the last counted token are cut before the forwards
+(causal attention: nothing counted depends on them), the statistics read the counted positions only
+(:func:`counted_positions`), and at TP 1 they are :func:`~faircast_plugins.policy_lag.sequence_stats` (the whole
+vocabulary is on the rank; the vocab-parallel path's collectives and extra float64 passes buy nothing there).
+
+Collectives: each rank of a data-parallel group runs the same forwards, hence the same per-param all-reduces in the
 same order (every module that holds params must run on every rank: Megatron's ``SequentialMLP`` calls every local
-expert, also with no tokens). Refused at construction, with what to use instead: pipeline parallelism (the logits
-exist on the last stage only and a forward crosses stages), virtual pipeline chunks, context parallelism (the
-sequence is split), ``overlap_param_gather`` (the params are gathered by forward hooks of the training schedule).
+expert, also with no tokens); ranks whose batches chunk differently agree on the most forwards any of them runs (a
+rank with fewer repeats its first chunk, its rows discarded). Refused at construction, with what to use instead:
+virtual pipeline chunks, context parallelism (the sequence is split), ``overlap_param_gather`` (the params are
+gathered by forward hooks of the training schedule).
 """
 from __future__ import annotations
 

@@ -642,6 +642,18 @@ def policy(name, opts):
             local_batches = [(ids, pos, mask)]
         out["metrics"].append(fc.metrics())  # a collective over DP; every rank logs the same numbers
         train_step(config, model, optimizer, s)
+    if not (opts.get("tp") or opts.get("ep") or opts.get("pp")) and ps.get_data_parallel_world_size() > 1:  # DP only
+        # DP ranks whose batches chunk differently (one sequence per forward; 1 and 2 sequences): the master view's
+        # all-reduces must still pair up (before: the rank with fewer forwards left the other hanging)
+        from faircast_plugins.megatron import policy as megatron_policy
+
+        saved, megatron_policy.LOGIT_BUDGET = megatron_policy.LOGIT_BUDGET, 1
+        try:
+            n = 1 + ps.get_data_parallel_rank() % 2
+            fc.policy.measure(100, ids[:n], pos[:n], mask[:n])
+            out["uneven_rows"] = [n, int(fc.policy.probe.take().shape[0])]
+        finally:
+            megatron_policy.LOGIT_BUDGET = saved
     # the reference, on rank 0's view of every DP rank's batch: gather the batches of the TP-rank-0 ranks
     gathered = [None] * dist.get_world_size()
     first = tp_rank == 0 and ps.get_pipeline_model_parallel_rank() == 0  # one copy of each DP rank's batch

@@ -224,6 +224,7 @@ class MegatronPolicyProbe:
         the probe's sequences), the activations sent between the stages in fp32 (``config.pipeline_dtype`` for the
         call: Megatron sends them in the training's 16-bit dtype otherwise); the logits on the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.utils import get_model_config
 
         model, got = self.model, []
 
@@ -237,7 +238,7 @@ class MegatronPolicyProbe:
 
             return out, keep
 
-        config = model.config
+        config = get_model_config(self.chunk)  # the config the schedule's p2p reads
         saved = config.pipeline_dtype
         config.pipeline_dtype = torch.float32
         try:

@@ -7,7 +7,12 @@ repetition: flag off, stochastic (Fair Cast's patch), and each of them with the 
 the paired ratio to the arm without the probe, the probe's ms per measurement, and what it costs a step at
 ``policy_metrics_every=10`` (the target: <= 2%).
 
-    OMP_NUM_THREADS=1 python benchmarks/step/megatron_policy.py [--smoke] [--reps 7] [--seqs 4]
+    OMP_NUM_THREADS=1 python benchmarks/step/megatron_policy.py [--smoke] [--reps 7] [--seqs 4] [--batch 8]
+        [--breakdown 5]
+
+``--breakdown K``: then K more measurements of the stochastic arm under cProfile, and where a measurement's time
+goes (cumulative ms per measurement of the probe's parts: the forwards, the master view, the served widening, the
+swap hooks, the statistics; cProfile's own overhead inflates the Python-heavy parts).
 
 Needs megatron-core (tests-megatron's virtualenv); the CPU stand-ins of tests/megatron/cpu_shims.py are installed.
 """
@@ -118,8 +123,12 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repetitions (CI)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--seqs", type=int, default=4, help="sequences the probe scores (policy_metrics_seqs)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; smoke 4)")
+    parser.add_argument("--breakdown", type=int, default=0, help="measurements profiled after the timing (0: none)")
     args = parser.parse_args()
     shape = SHAPES["smoke" if args.smoke else "default"]
+    if args.batch:
+        shape = (*shape[:6], args.batch, shape[7])
     reps = 2 if args.smoke else args.reps
     store = tempfile.mktemp(prefix="faircast_bench_store_")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
@@ -157,8 +166,54 @@ def main():
         step_ms = statistics.median(times[base]) * 1e3
         print(f"  {base:12s} probe {probe_ms:.1f} ms per measurement = {probe_ms / step_ms:.2f} steps -> every 10: "
               f"+{100 * probe_ms / step_ms / 10:.1f}% of a step (target <= 2%)")
+    for label in ("flag off + policy probe", "stochastic + policy probe"):  # the least-disturbed repetition
+        base = label.replace(" + policy probe", "")
+        probe_ms, step_ms = min(probes[label]) * 1e3, min(times[base]) * 1e3
+        print(f"  {base:12s} by minima (a loaded machine's least-disturbed repetition): probe {probe_ms:.1f} ms, step "
+              f"{step_ms:.1f} ms -> every 10: +{100 * probe_ms / step_ms / 10:.1f}% of a step")
+    if args.breakdown:
+        breakdown(shape, arms["stochastic + policy probe"], args.breakdown)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+#: (label, qualified name suffix of the function whose cumulative time it is) for --breakdown
+PARTS = [
+    ("both views' forwards (swaps + views included)", "policy.py:_logits"),
+    ("  master view (MasterView.__call__)", "policy.py:__call__"),
+    ("  served view (widened)", "policy_lag.py:widened"),
+    ("  swap pre-hooks (views included)", "policy_lag.py:pre"),
+    ("  swap post-hooks", "policy_lag.py:post"),
+    ("statistics (vocab_parallel_sequence_stats)", "policy_lag.py:vocab_parallel_sequence_stats"),
+    ("statistics (sequence_stats: TP 1)", "policy_lag.py:sequence_stats"),
+    ("counted positions (packing)", "policy.py:counted_positions"),
+    ("metrics (gather + summary)", "policy.py:metrics"),
+]
+
+
+def breakdown(shape, arm, k):
+    """Where a measurement's time goes: ``k`` measurements of ``arm``'s probe under cProfile."""
+    import cProfile
+    import pstats
+
+    _, _, fc = arm
+    ids, pos, mask = batch(shape, 1000)
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    for n in range(k):
+        profile.enable()
+        fc.policy.measure(10_000 + n, ids, pos, mask)
+        fc.metrics()
+        profile.disable()
+    total = (time.perf_counter() - t0) / k * 1e3
+    cumulative = {}
+    for (path, _, name), (_, _, _, ct, _) in pstats.Stats(profile).stats.items():
+        key = f"{os.path.basename(path)}:{name}"
+        cumulative[key] = cumulative.get(key, 0.0) + ct
+    print(f"breakdown of one measurement (stochastic arm, {k} measurements under cProfile): {total:.1f} ms")
+    for label, key in PARTS:
+        if key in cumulative:
+            print(f"  {label:48s} {cumulative[key] / k * 1e3:8.1f} ms")
 
 
 if __name__ == "__main__":

@@ -413,7 +413,7 @@ def apply_megatron_patch(optimizer, caster: FairCaster, model_chunks=None, *, br
     except LayoutError as exc:
         raise FairCastPatchError(f"Fair Cast cannot key this Megatron model: {exc}") from None
     probe = None
-    if measured:  # refuses the layouts it cannot measure (pipeline / context parallel, overlap_param_gather)
+    if measured:  # refuses the layouts it cannot measure (virtual pipeline, context parallel, overlap_param_gather)
         from .policy import MegatronPolicyProbe
 
         probe = MegatronPolicyProbe(optimizer, model_chunks, every=caster.config.policy_metrics_every,

@@ -23,11 +23,23 @@ mode (no dropout), without autocast. The logits are vocab-parallel (``[B, T, V /
 :func:`~faircast_plugins.policy_lag.vocab_parallel_sequence_stats` makes the log-softmax exact over the whole
 (padded) vocabulary. Every tensor-parallel rank gets the same rows; they are gathered over the data-parallel group.
 
-Collectives: each rank of a data-parallel group runs the same forward, hence the same per-param all-reduces in the
+Pipeline parallelism: the probe runs megatron-core's own forward-only schedule (``get_forward_backward_func()``, one
+micro-batch of the probe's sequences) once per view, every stage's params swapped, the activations sent between the
+stages in fp32 (``config.pipeline_dtype`` is fp32 for the call: Megatron would send them in bf16, a rounding that is
+not the weights' difference); the last stage scores the logits and broadcasts its rows over the pipeline group, so
+every stage holds the same rows. Every stage of a data-parallel rank is given the same batch.
+
+Only what the counted tokens need is computed: the positions after the last counted token are cut before the forwards
+(causal attention: nothing counted depends on them), the statistics read the counted positions only
+(:func:`counted_positions`), and at TP 1 they are :func:`~faircast_plugins.policy_lag.sequence_stats` (the whole
+vocabulary is on the rank; the vocab-parallel path's collectives and extra float64 passes buy nothing there).
+
+Collectives: each rank of a data-parallel group runs the same forwards, hence the same per-param all-reduces in the
 same order (every module that holds params must run on every rank: Megatron's ``SequentialMLP`` calls every local
-expert, also with no tokens). Refused at construction, with what to use instead: pipeline parallelism (the logits
-exist on the last stage only and a forward crosses stages), virtual pipeline chunks, context parallelism (the
-sequence is split), ``overlap_param_gather`` (the params are gathered by forward hooks of the training schedule).
+expert, also with no tokens); ranks whose batches chunk differently agree on the most forwards any of them runs (a
+rank with fewer repeats its first chunk, its rows discarded). Refused at construction, with what to use instead:
+virtual pipeline chunks, context parallelism (the sequence is split), ``overlap_param_gather`` (the params are
+gathered by forward hooks of the training schedule).
 """
 from __future__ import annotations
 
@@ -37,7 +49,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..patching import FairCastPatchError
-from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, gather_rows, metrics_of,
+from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, gather_rows, metrics_of, sequence_stats,
                           vocab_parallel_sequence_stats, weights_swapped, widened)
 from .layout import _unwrap, dp_ranges, float16_pairs, first_device, sub_optimizers
 
@@ -65,6 +77,8 @@ class MasterView:
             else:
                 for main, p in float16_pairs(opt):
                     self.whole[id(p)] = main
+        #: the view assembles params by collectives over data-parallel ranks (their forwards must pair up)
+        self.collective = any(torch.distributed.get_world_size(group) > 1 for group, *_ in self.sharded.values())
 
     def __call__(self, p: torch.nn.Parameter) -> Optional[torch.Tensor]:
         main = self.whole.get(id(p))
@@ -74,10 +88,13 @@ class MasterView:
         if entry is None:
             return None
         group, shard, start, end = entry
+        alone = torch.distributed.get_world_size(group) == 1
+        if alone and shard is not None and (start, end) == (0, p.numel()) and shard.device == p.device:  # DP 1: the shard is the whole param, no copy
+            return shard.detach().view(p.shape)
         full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         if shard is not None:
             full[start:end] = shard.detach().reshape(-1).to(p.device)
-        if torch.distributed.get_world_size(group) > 1:  # one owner per element: the bit patterns add exactly
+        if not alone:  # one owner per element: the bit patterns add exactly
             torch.distributed.all_reduce(full.view(torch.int32), group=group)
         return full.view(p.shape)
 
@@ -110,15 +127,24 @@ def fp32_softmax(model: torch.nn.Module):
                 setattr(module, a, v)
 
 
+def counted_positions(served: torch.Tensor, master: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor):
+    """``(served, master, tokens, mask)`` ``[B, T, ...]`` cut to the counted positions (``mask != 0``) of each
+    sequence, packed to the left in their order (``[B, W, ...]``, ``W`` the most any sequence counts; a shorter one is
+    filled with uncounted positions, mask 0): the statistics of the other positions are multiplied by 0 anyway."""
+    keep = mask != 0
+    width = int(keep.sum(1).max()) if keep.numel() else 0
+    if width == mask.shape[1]:
+        return served, master, tokens, mask
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]  # counted first, in order
+    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1)
+    return served[rows, order], master[rows, order], tokens[rows, order], mask[rows, order]
+
+
 def refused_layouts() -> List[str]:
     """Why the probe cannot measure under this rank's Megatron parallel layout (empty: it can)."""
     from megatron.core import parallel_state as ps
 
     out = []
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        out.append(f"pipeline parallelism (pipeline_model_parallel_size={ps.get_pipeline_model_parallel_world_size()}): "
-                   f"the logits exist on the last stage only and the probe's forward does not cross stages. Use "
-                   f"pipeline_model_parallel_size=1 for the metric")
     if ps.get_context_parallel_world_size() > 1:
         out.append(f"context parallelism (context_parallel_size={ps.get_context_parallel_world_size()}): the sequence "
                    f"is split over ranks. Use context_parallel_size=1 for the metric")
@@ -167,17 +193,72 @@ class MegatronPolicyProbe:
         return {}
 
     def _local_vocab(self) -> Optional[int]:
-        """This rank's rows of the output layer (``V / TP``): how many logits per position a forward makes."""
+        """This rank's rows of the output layer (``V / TP``): how many logits per position a forward makes (on every
+        pipeline stage: the stages must chunk the sequences alike)."""
         out = getattr(self.model, "output_layer", None)
         weight = getattr(out, "weight", None) if out is not None else None
         if weight is None and getattr(self.model, "share_embeddings_and_output_weights", False):
             weight = self.model.shared_embedding_or_output_weight()
-        return int(weight.shape[0]) if weight is not None else None
+        if weight is not None:
+            return int(weight.shape[0])
+        vocab = getattr(self.model, "vocab_size", None)  # a pipeline stage without the output layer chunks the same
+        if vocab is None:
+            return None
+        from megatron.core import parallel_state as ps
 
-    def _logits(self, view: Callable, ids, positions, attention_mask) -> torch.Tensor:
+        return -(-int(vocab) // ps.get_tensor_model_parallel_world_size())
+
+    def _logits(self, view: Callable, ids, positions, attention_mask) -> Optional[torch.Tensor]:
+        """``[B, T, V / TP]`` fp32 logits of one forward on ``view``'s weights; None on a pipeline stage that is not
+        the last (pipeline parallelism: Megatron's forward-only schedule carries the fp32 activations between the
+        stages, every stage's params swapped)."""
+        from megatron.core import parallel_state as ps
+
         with weights_swapped(self.model, view, shared=self._shared(), rebind=True):
-            logits = self.model(ids, positions, attention_mask)
-        return logits.float()  # [B, T, V / TP]
+            if ps.get_pipeline_model_parallel_world_size() == 1:
+                return self.model(ids, positions, attention_mask).float()
+            return self._pipelined(ids, positions, attention_mask)
+
+    def _pipelined(self, ids, positions, attention_mask) -> Optional[torch.Tensor]:
+        """One forward through every pipeline stage by megatron-core's own forward-only schedule (one micro-batch of
+        the probe's sequences), the activations sent between the stages in fp32 (``config.pipeline_dtype`` for the
+        call: Megatron sends them in the training's 16-bit dtype otherwise); the logits on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.utils import get_model_config
+
+        model, got = self.model, []
+
+        def forward_step(_, __):  # the GPT itself, not DDP / Float16Module (see the module's docstring)
+            with torch.autocast(device_type=ids.device.type, enabled=False):
+                out = model(ids, positions, attention_mask)
+
+            def keep(logits):  # the last stage: keep the logits, hand the schedule a loss it ignores
+                got.append(logits.float())
+                return logits.new_zeros(()), {}
+
+            return out, keep
+
+        config = get_model_config(self.chunk)  # the config the schedule's p2p reads
+        saved = config.pipeline_dtype
+        config.pipeline_dtype = torch.float32
+        try:
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=None, model=[self.chunk],
+                                        num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+                                        forward_only=True)
+        finally:
+            config.pipeline_dtype = saved
+        return got[0] if got else None
+
+    def _forwards(self, count: int, chunk: int) -> int:
+        """How many chunked forward pairs this rank runs: the most over all ranks where the master view assembles
+        params by collectives (each rank's count and length give its own chunking; a rank with fewer repeats its
+        first chunk, its rows discarded)."""
+        steps = -(-count // chunk)
+        if not self.master.collective:
+            return steps
+        most = torch.tensor([steps], dtype=torch.int64, device=first_device(self.optimizer))
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item())
 
     @torch.no_grad()
     def measure(self, step: int, input_ids: torch.Tensor, position_ids: torch.Tensor, token_mask: torch.Tensor, *,
@@ -185,13 +266,25 @@ class MegatronPolicyProbe:
         """Score the first ``seqs`` sequences of ``input_ids`` ``[B, T]`` under both views; ``token_mask[b, t]``
         marks the tokens that count (completion tokens; token ``t`` is scored by the logits at ``t - 1``, so
         ``token_mask[:, 0]`` is ignored). ``position_ids`` / ``attention_mask``: what the GPT's forward takes (None:
-        its causal mask; right padding then does not touch the counted tokens). A collective over the model's
-        tensor- and data-parallel groups: every rank calls it with its own batch."""
+        its causal mask; right padding then does not touch the counted tokens; a mask ``[b, 1, T, T]``). A collective
+        over the model's tensor-, pipeline- and data-parallel groups: every rank calls it with its own batch (every
+        pipeline stage of a data-parallel rank with the same batch).
+
+        Only what the counted tokens need is computed: the positions after the last counted token are cut before the
+        forwards (causal: nothing counted depends on them), and the statistics read the counted positions only."""
         from megatron.core import parallel_state as ps
 
         self.probe.measured_step = step
         count = min(self.probe.seqs, input_ids.shape[0])
         input_ids, position_ids, token_mask = input_ids[:count], position_ids[:count], token_mask[:count]
+        if attention_mask is not None and attention_mask.shape[0] > 1:
+            attention_mask = attention_mask[:count]
+        counted = (token_mask[:, 1:] != 0).any(0).nonzero()
+        keep = int(counted.max()) + 2 if counted.numel() else min(2, input_ids.shape[1])
+        if keep < input_ids.shape[1]:  # causal: the positions after the last counted token change nothing counted
+            input_ids, position_ids, token_mask = input_ids[:, :keep], position_ids[:, :keep], token_mask[:, :keep]
+            if attention_mask is not None:
+                attention_mask = attention_mask[..., :keep, :keep]
         tp = ps.get_tensor_model_parallel_world_size()
         extra = -input_ids.shape[1] % tp if getattr(getattr(self.model, "config", None), "sequence_parallel", False) else 0
         if extra and attention_mask is not None:
@@ -204,29 +297,42 @@ class MegatronPolicyProbe:
             token_mask = torch.cat([token_mask, token_mask.new_zeros(count, extra)], dim=1)
         length = input_ids.shape[1]
         local_vocab = self._local_vocab()
+        chunk = 1 if local_vocab is None else max(1, LOGIT_BUDGET // (8 * length * local_vocab))
         rows = []
         was_training = self.model.training
         self.model.eval()
         tp_group = ps.get_tensor_model_parallel_group()
         try:
             with torch.autocast(device_type=input_ids.device.type, enabled=False), fp32_softmax(self.model):
-                i = 0
-                while i < count:
-                    chunk = 1 if local_vocab is None else max(1, LOGIT_BUDGET // (8 * length * local_vocab))
+                for n in range(self._forwards(count, chunk)):
+                    i = n * chunk if n * chunk < count else 0  # past this rank's sequences: other ranks' collectives
                     j = min(count, i + chunk)
                     ids, pos = input_ids[i:j], position_ids[i:j]
                     att = attention_mask[i:j] if attention_mask is not None and attention_mask.shape[0] > 1 else attention_mask
                     s = self._logits(served_view, ids, pos, att)
                     m = self._logits(self.master, ids, pos, att)
-                    local_vocab = s.shape[-1]
-                    rows.append(vocab_parallel_sequence_stats(s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:],
-                                                              temperature, group=tp_group))
+                    if s is not None and n * chunk < count:
+                        args = counted_positions(s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:])
+                        rows.append(vocab_parallel_sequence_stats(*args, temperature, group=tp_group) if tp > 1
+                                    else sequence_stats(*args, temperature))  # TP 1: the whole vocabulary here
                     del s, m
-                    i = j
         finally:
             self.model.train(was_training)
-        new = torch.cat(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.float64)
+        new = torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=input_ids.device)
+        new = self._from_last_stage(new, count).cpu()
         self.probe.pending = new if self.probe.pending is None else torch.cat([self.probe.pending, new])
+
+    def _from_last_stage(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+        """The last pipeline stage's rows on every stage (a broadcast over the pipeline group; as they are at PP 1)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return rows
+        device = first_device(self.optimizer) or rows.device
+        out = rows.to(device) if ps.is_pipeline_last_stage() else torch.zeros(count, 3, dtype=torch.float64, device=device)
+        torch.distributed.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+        return out
 
     def metrics(self) -> Dict[str, float]:
         """The metrics of the rows measured since the last call, over the data-parallel group (its tensor-parallel

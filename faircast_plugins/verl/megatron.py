@@ -56,6 +56,16 @@ def activate(engine, config: FairCastConfig, *, resume_without_state: bool = Fal
     if getattr(engine, "vanilla_bridge", False):
         raise ValueError("actor_rollout_ref.faircast with the vanilla mbridge (vanilla_mbridge=True) is not supported: "
                          "Fair Cast keys the served weights through megatron-bridge's converters; set vanilla_mbridge=False")
+    if config.measures_policy:
+        from megatron.core import parallel_state as ps
+
+        stages = ps.get_pipeline_model_parallel_world_size()
+        if stages > 1:  # the probe runs at PP > 1 in a Megatron-core loop; through verl's engine it has not been run
+            raise ValueError(f"actor_rollout_ref.faircast.policy_metrics_every={config.policy_metrics_every} on verl's "
+                             f"Megatron engine with pipeline_model_parallel_size={stages} is not measured (the probe's "
+                             f"pipelined forward is tested in megatron-core's own loop only, apply_megatron_patch(..., "
+                             f"measure_policy=True)): use pipeline_model_parallel_size=1 for the metric, or remove "
+                             f"policy_metrics_every (faircast audit's faircast/lag_steps measures the lag in weight space)")
     if _overlaps_param_gather(engine):
         raise ValueError("actor_rollout_ref.faircast on verl's Megatron engine does not support overlap_param_gather "
                          "(actor.megatron.override_ddp_config): Megatron all-gathers the updated params in the next "

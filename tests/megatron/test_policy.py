@@ -1,7 +1,7 @@
 """faircast/policy_* under Megatron-core (faircast_plugins/megatron/policy.py), CPU, gloo: the probe's metrics equal a
 one-process reference (a TP=1 fp32 GPT holding the full served copy, then the full master), at world 1 (distributed
 and Float16 optimizers, tied embedding), DP2, TP2, EP2 (MoE, SequentialMLP) and TP2 x DP2; flag off serves round to nearest of the master;
-nothing is left behind (the run with the probe trains exactly as the run without); pipeline parallelism is refused.
+PP2; nothing is left behind (the run with the probe trains exactly as the run without); virtual pipeline chunks are refused.
 The scenarios (tests/megatron/worker.py ``policy*``) run in test_megatron.py's launches."""
 from __future__ import annotations
 
@@ -53,12 +53,37 @@ def test_world1_metrics_equal_the_one_process_reference(ws1, name):
 @pytest.mark.parametrize("name,dp", [("policy", 2), ("policy_off", 2), ("policy_tp2", 1), ("policy_ep2", 2)])
 def test_world2_metrics_equal_the_one_process_reference(ws2, name, dp):
     _check(ws2, name, dp)
+    if name in ("policy", "policy_off"):  # DP ranks with different chunk counts: no hang, each keeps its own rows
+        assert sorted(tuple(r["uneven_rows"]) for r in _ranks(ws2, name)) == [(1, 1), (2, 2)]
 
 
 def test_tp2_x_dp2_metrics_equal_the_one_process_reference(ws4):
     _check(ws4, "policy_tp2", dp=2)
 
 
-def test_pipeline_parallel_is_refused_with_what_to_use(ws2):
+def test_pp2_metrics_equal_the_one_process_reference(ws2):
+    """Two pipeline stages: the probe runs Megatron's forward-only schedule (fp32 activations between the stages)."""
+    _check(ws2, "policy_pp2", dp=1)
+    ranks = _ranks(ws2, "policy_pp2")
+    assert sorted(r["coords"]["pp"] for r in ranks) == [0, 1]
+
+
+def test_virtual_pipeline_is_refused_with_what_to_use(ws2):
     for r in _ranks(ws2, "policy_pp2"):
-        assert r["refused"] and "pipeline_model_parallel_size=1" in r["refused"], r
+        assert r["refused"] and "one chunk per rank" in r["refused"], r
+
+
+def test_verl_engine_refuses_the_metric_at_pp2(monkeypatch):
+    """verl's Megatron engine at PP > 1: the pipelined probe has not run through it, so the metric is refused there
+    (naming the option and what to use), before anything is patched."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from faircast_plugins import FairCastConfig
+    from faircast_plugins.verl import megatron as verl_megatron
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    engine = SimpleNamespace(optimizer=object(), module=[])
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1 for the metric"):
+        verl_megatron.activate(engine, FairCastConfig(enabled=True, seed=1, policy_metrics_every=1))

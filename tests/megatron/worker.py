@@ -68,7 +68,7 @@ SCENARIOS = {
     # the faircast/policy_* probe (faircast_plugins/megatron/policy.py; tests/megatron/test_policy.py)
     "policy": dict(policy=True), "policy_off": dict(policy=True, faircast=False),
     "policy_f16": dict(policy=True, distributed=False), "policy_tp2": dict(policy=True, tp=2),
-    "policy_tied": dict(policy=True, tied=True), "policy_pp2": dict(policy=True, pp=2, layers=4),
+    "policy_tied": dict(policy=True, tied=True), "policy_pp2": dict(policy=True, pp=2, layers=4),  # + the VPP refusal
     "policy_ep2": dict(policy=True, ep=2, experts=4),
     "audit": dict(audit=True), "refusals": dict(special=True), "verl": dict(special=True), "skip": dict(special=True), "bypass": dict(special=True),
 }
@@ -594,15 +594,6 @@ def policy(name, opts):
     seqs = 2
     cfg = FairCastConfig(enabled=faircast, seed=SEED, policy_metrics_every=1, policy_metrics_seqs=seqs)
     plain = FairCastConfig(enabled=faircast, seed=SEED)
-    if opts.get("pp"):  # refused at attach, on every stage
-        config, model, optimizer = build(opts)
-        try:
-            apply_megatron_patch(optimizer, FairCaster(cfg), model_chunks=[model], measure_policy=True)
-            return {"refused": None}
-        except FairCastPatchError as exc:
-            return {"refused": str(exc)}
-        finally:
-            remove_megatron_patch(optimizer)
     # the control: the same run without the probe (Fair Cast off: no patch at all, Megatron's own copy)
     config, model, optimizer = build(opts)
     control_fc = apply_megatron_patch(optimizer, FairCaster(plain), model_chunks=[model]) if faircast else None
@@ -651,11 +642,31 @@ def policy(name, opts):
             local_batches = [(ids, pos, mask)]
         out["metrics"].append(fc.metrics())  # a collective over DP; every rank logs the same numbers
         train_step(config, model, optimizer, s)
+    if not (opts.get("tp") or opts.get("ep") or opts.get("pp")) and ps.get_data_parallel_world_size() > 1:  # DP only
+        # DP ranks whose batches chunk differently (one sequence per forward; 1 and 2 sequences): the master view's
+        # all-reduces must still pair up (before: the rank with fewer forwards left the other hanging)
+        from faircast_plugins.megatron import policy as megatron_policy
+
+        saved, megatron_policy.LOGIT_BUDGET = megatron_policy.LOGIT_BUDGET, 1
+        try:
+            n = 1 + ps.get_data_parallel_rank() % 2
+            fc.policy.measure(100, ids[:n], pos[:n], mask[:n])
+            out["uneven_rows"] = [n, int(fc.policy.probe.take().shape[0])]
+        finally:
+            megatron_policy.LOGIT_BUDGET = saved
     # the reference, on rank 0's view of every DP rank's batch: gather the batches of the TP-rank-0 ranks
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (tp_rank, [(i.cpu(), p.cpu(), m.cpu()) for i, p, m in local_batches], full))
-    batches = [b for rank_tp, bs, _ in gathered if rank_tp == 0 for b in bs]
-    full = {n: t for _, _, part in gathered for n, t in part.items()}  # every expert rank's experts
+    first = tp_rank == 0 and ps.get_pipeline_model_parallel_rank() == 0  # one copy of each DP rank's batch
+    dist.all_gather_object(gathered, (first, [(i.cpu(), p.cpu(), m.cpu()) for i, p, m in local_batches], full))
+    batches = [b for one, bs, _ in gathered if one for b in bs]
+    full = {n: t for _, _, part in gathered for n, t in part.items()}  # every expert rank's experts, every stage's params
+    if opts.get("pp"):  # what stays refused: virtual pipeline chunks
+        from faircast_plugins.megatron.policy import MegatronPolicyProbe
+        try:
+            MegatronPolicyProbe(optimizer, [model, model], every=1)
+            out["refused"] = None
+        except FairCastPatchError as exc:
+            out["refused"] = str(exc)
     final = full_master_and_served(model, optimizer)
     out["differs_from_control"] = [n for n in control if not (torch.equal(_bits(control[n][0]), _bits(final[n][1])) and
                                    torch.equal(_bits(control[n][1]), _bits(final[n][2])))]

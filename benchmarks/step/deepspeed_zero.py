@@ -130,15 +130,39 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     from faircast_plugins.deepspeed import patch
     from faircast_plugins.openrlhf import policy_probe
 
+    if arm.label.endswith(" + policy probe"):
+        probe_breakdown(timers)
     if arm.fc is None:
         return
-    if arm.label.endswith(" + policy probe"):
-        timers.wrap(policy_probe, "measure", "hook: policy probe")
     timers.wrap(patch._CopyBackInterceptor, "copy_", "hook: copy-back copy_ (cast + copies)")
     timers.wrap(patch, "_copy_back_problem", "hook: copy-back check")
     timers.wrap(patch, "_on_any_rank", "hook: check all-reduce")
     timers.wrap(patch.WeightLayout, "of_engine", "hook: weight layout")
     timers.wrap(patch.DeepSpeedFairCast, "take_model_step", "hook: whole take_model_step (incl. optimizer)")
+
+
+def probe_breakdown(timers: harness.Timers) -> None:
+    """The probe's parts: its whole measurement, the forwards (which include the views, the swap hooks and, under
+    ZeRO-3, DeepSpeed's bf16 gathers), the master view (assembling DeepSpeed's fp32 partitions, collectives
+    included), the served view (widening), the per-sequence statistics; and DeepSpeed ZeRO-3's module fetches (of
+    the whole step: compare with the arm without the probe)."""
+    from faircast_plugins import policy_lag
+    from faircast_plugins.deepspeed import policy_views
+    from faircast_plugins.openrlhf import policy_probe
+
+    timers.wrap(policy_probe, "measure", "hook: policy probe")
+    timers.wrap(policy_lag, "_completion_logits", "probe: forwards (incl. views, hooks, ZeRO-3 gathers)")
+    timers.wrap(policy_lag, "sequence_stats", "probe: sequence_stats")
+    timers.wrap(policy_views, "served_view", "probe: served view (widening)")
+    if hasattr(policy_views, "master_view"):  # the per-parameter view (session 15)
+        timers.wrap(policy_views, "master_view", "probe: master view (per-parameter assembly)")
+    if hasattr(policy_views, "assemble_window"):  # the bucketed assembly
+        timers.wrap(policy_views, "assemble_window", "probe: master windows (collectives + copies)")
+    try:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    except ImportError:
+        return
+    timers.wrap(PartitionedParameterCoordinator, "fetch_sub_module", "zero3: fetch_sub_module (whole step)")
 
 
 def main() -> int:

@@ -156,8 +156,14 @@ def probe_breakdown(timers: harness.Timers) -> None:
     timers.wrap(policy_views, "served_view", "probe: served view (widening)")
     if hasattr(policy_views, "master_view"):  # the per-parameter view (session 15)
         timers.wrap(policy_views, "master_view", "probe: master view (per-parameter assembly)")
-    if hasattr(policy_views, "assemble_window"):  # the bucketed assembly
-        timers.wrap(policy_views, "assemble_window", "probe: master windows (collectives + copies)")
+    try:  # the windowed assembly
+        from faircast_plugins.deepspeed import master_windows
+    except ImportError:
+        master_windows = None
+    if master_windows is not None:
+        timers.wrap(master_windows.MasterWindows, "__call__", "probe: master view (windows: loads + slices)")
+        timers.wrap(master_windows.Zero12Layout, "load", "probe: master window loads (ZeRO-1/2 broadcasts)")
+        timers.wrap(master_windows.Zero3Layout, "load", "probe: master window loads (ZeRO-3 all-gathers)")
     try:
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     except ImportError:

@@ -5,11 +5,14 @@
 it: ``fair_cast(master)`` with the copy-back patch attached and Fair Cast on, DeepSpeed's own round to nearest
 otherwise; it is what the rollout engine receives.
 
-``master``: the fp32 master the optimizer trains, assembled from DeepSpeed's optimizer partitions by
-``deepspeed.utils.safe_get_full_fp32_param`` (ZeRO-1/2: an all-reduce over the data-parallel group; ZeRO-3: an
-all-gather of the fp32 partitions). Every rank must run it for the same parameters in the same order: the probe's
-forwards run on every rank (the master view is a collective). Frozen parameters have no optimizer master; their
-bf16 weight is all there is.
+``master``: the fp32 master the optimizer trains, assembled from DeepSpeed's optimizer partitions. Given the engine
+(:func:`deepspeed_policy_views`), a window of consecutive parameters at a time from the optimizer's flat fp32
+partitions (:mod:`faircast_plugins.deepspeed.master_windows`: ZeRO-1/2 one broadcast per owning rank, ZeRO-3 one
+all-gather, per window of up to ``WINDOW_BYTES``); otherwise, and for a parameter outside that layout, one
+parameter at a time by ``deepspeed.utils.safe_get_full_fp32_param`` (ZeRO-1/2: an all-reduce over the
+data-parallel group; ZeRO-3: an all-gather of the fp32 partitions). Both are collectives: every rank must run them
+for the same parameters in the same order, so the probe's forwards run on every rank. Frozen parameters have no
+optimizer master; their bf16 weight is all there is.
 
 ZeRO-3 (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered at
 engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook
@@ -54,9 +57,21 @@ def master_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return full.to(p.data.device).view(p.data.shape)
 
 
-def deepspeed_policy_views() -> Tuple[View, View]:
-    """``(served, master)`` for :meth:`faircast_plugins.policy_lag.PolicyLagProbe.measure` on a DeepSpeed module."""
-    return served_view, master_view
+def deepspeed_policy_views(engine=None) -> Tuple[View, View]:
+    """``(served, master)`` for :meth:`faircast_plugins.policy_lag.PolicyLagProbe.measure` on a DeepSpeed module;
+    with ``engine``, the master view assembles its optimizer's masters a window at a time (one measurement's views:
+    the masters move at every step)."""
+    from .master_windows import master_windows
+
+    windows = master_windows(engine) if engine is not None else None
+    if windows is None:
+        return served_view, master_view
+
+    def master(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        full = windows(p)
+        return full if full is not None else master_view(p)
+
+    return served_view, master
 
 
 def _trace_coordinator(engine):

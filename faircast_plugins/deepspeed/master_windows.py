@@ -139,15 +139,19 @@ class Zero12Layout:
 
 
 class Zero3Layout:
-    """Where ZeRO-3's fp32 masters are: see the module docstring."""
+    """Where ZeRO-3's fp32 masters are (see the module docstring); with ``served=True`` its bf16 partitions instead
+    (``fp16_partitioned_groups_flat``, the same layout: each parameter's ``ds_tensor`` is a view of it), which
+    DeepSpeed's module hooks gather into the served weights the forward reads."""
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer, served: bool = False):
+        self.optimizer, self.served = optimizer, served
+        self.flats = optimizer.fp16_partitioned_groups_flat if served else optimizer.fp32_partitioned_groups_flat
         self.places: Dict[int, Tuple[int, int, int, int, torch.Size]] = {}  # id(p) -> (sub-group, offset, n, numel, shape)
         self.groups: Dict[int, object] = {}  # sub-group -> the process group its parameters are partitioned over
         swappable = getattr(optimizer, "_swappable_optimizer_subgroup", lambda i: False)
         for i, params in enumerate(optimizer.fp16_groups):
-            if swappable(i) or not params:
+            flat = self.flats[i] if i < len(self.flats) else None
+            if not params or flat is None or (not served and swappable(i)):
                 continue  # swapped to NVMe between uses: the per-parameter view (DeepSpeed swaps it in)
             groups = {id(optimizer._get_param_partition_group(p)) for p in params}
             if len(groups) != 1:
@@ -155,8 +159,17 @@ class Zero3Layout:
             self.groups[i] = optimizer._get_param_partition_group(params[0])
             for p in params:
                 group, offset, n = optimizer.grad_position[optimizer.get_param_id(p)]
-                if group == i and n == p.partition_numel():
-                    self.places[id(p)] = (i, int(offset), int(n), int(p.ds_numel), p.ds_shape)
+                if group != i or n != p.partition_numel() or (served and not self._holds(flat, offset, p)):
+                    continue
+                self.places[id(p)] = (i, int(offset), int(n), int(p.ds_numel), p.ds_shape)
+
+    @staticmethod
+    def _holds(flat: torch.Tensor, offset: int, p) -> bool:
+        """``p``'s bf16 partition is the flat's ``[offset, offset + n)`` (not a copy elsewhere, e.g. offloaded)."""
+        part = getattr(p, "ds_tensor", None)
+        return (part is not None and part.dtype == flat.dtype and part.numel() == p.partition_numel()
+                and part.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                and part.storage_offset() == flat.storage_offset() + offset)
 
     def windows(self) -> Dict[int, List[Tuple[int, int]]]:
         dist = _dist()
@@ -170,11 +183,11 @@ class Zero3Layout:
         return out
 
     def load(self, i: int, start: int, end: int) -> torch.Tensor:
-        """``[world, end - start]``: every rank's fp32 partitions ``[start, end)`` of sub-group ``i`` (one
-        all-gather over its partition group)."""
+        """``[world, end - start]``: every rank's partitions ``[start, end)`` of sub-group ``i`` (one all-gather over
+        its partition group)."""
         dist = _dist()
         group = self.groups[i]
-        local = self.optimizer.fp32_partitioned_groups_flat[i].narrow(0, start, end - start)
+        local = self.flats[i].narrow(0, start, end - start)
         world = dist.get_world_size(group=group) if dist else 1
         if world == 1:
             return local.unsqueeze(0)  # a view, no copy
@@ -185,7 +198,8 @@ class Zero3Layout:
 
     def extract(self, window: torch.Tensor, start: int, place) -> torch.Tensor:
         _, offset, n, numel, shape = place
-        return window[:, offset - start:offset - start + n].reshape(-1)[:numel].view(shape)
+        full = window[:, offset - start:offset - start + n].reshape(-1)[:numel].view(shape)
+        return full.float() if self.served else full  # the served copy widened to fp32 (exact)
 
 
 def layout_of(optimizer):

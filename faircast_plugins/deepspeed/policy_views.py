@@ -38,7 +38,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..patching import FairCastPatchError
-from ..policy_lag import widened
+from ..policy_lag import weights_swapped, widened
 
 View = Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
 
@@ -59,11 +59,13 @@ def master_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
 def deepspeed_policy_views(engine=None) -> Tuple[View, View]:
     """``(served, master)`` for :meth:`faircast_plugins.policy_lag.PolicyLagProbe.measure` on a DeepSpeed module;
-    with ``engine``, the master view assembles its optimizer's masters a window at a time (one measurement's views:
-    the masters move at every step)."""
+    with ``engine``, the master view assembles its optimizer's masters a window at a time, and under ZeRO-3 with
+    :func:`probing`'s direct forwards (:func:`zero3_direct`) the served view its bf16 partitions likewise (one
+    measurement's views: the weights move at every step)."""
     from .master_windows import master_windows
 
     windows = master_windows(engine) if engine is not None else None
+    direct = zero3_direct(engine)
     if windows is None:
         return served_view, master_view
 
@@ -71,7 +73,70 @@ def deepspeed_policy_views(engine=None) -> Tuple[View, View]:
         full = windows(p)
         return full if full is not None else master_view(p)
 
-    return served_view, master
+    if direct is None:
+        return served_view, master
+
+    def served(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        if _gathered(p):  # a persistent parameter (stage3_param_persistence_threshold): its bf16 weight is whole
+            return served_view(p)
+        return direct(p)
+
+    return served, master
+
+
+def _gathered(p: torch.nn.Parameter) -> bool:
+    return getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") == "AVAILABLE"
+
+
+def zero3_direct(engine):
+    """Under ZeRO-3, the windowed served view (the bf16 partitions, gathered a window at a time) when it and the
+    master windows hold every parameter DeepSpeed has partitioned away, so the probe's forwards need none of
+    DeepSpeed's per-module gathers (:func:`probing` then runs them with its module hooks detached); else None (a
+    frozen or offloaded parameter, another DeepSpeed: the forwards run inside DeepSpeed's hooks as before)."""
+    if engine is None or engine.zero_optimization_stage() != 3:
+        return None
+    from .master_windows import MasterWindows, Zero3Layout, layout_of
+
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None or not all(hasattr(offload, a) for a in ("forward_hooks", "backward_hooks")):
+        return None
+    master = layout_of(engine.optimizer)
+    if not isinstance(master, Zero3Layout):
+        return None
+    served = Zero3Layout(engine.optimizer, served=True)
+    if any(not _gathered(p) and (id(p) not in master.places or id(p) not in served.places)
+           for p in engine.module.parameters()):
+        return None
+    return MasterWindows(served)
+
+
+@contextmanager
+def _deepspeed_hooks_detached(engine):
+    """ZeRO-3's module hooks (gather before each module's forward, release after, the backward bookkeeping, the
+    step reset of the root) and the engine's forward prologue/epilogue hooks on the root (the prologue marks every
+    module "in forward", where reading a partitioned parameter gathers it) out of the modules' hook dicts inside,
+    restored in their order on exit."""
+    offload = engine.optimizer.parameter_offload
+    handles = [*offload.forward_hooks, *offload.backward_hooks, getattr(offload, "fwd_pre_hook", None),
+               getattr(engine, "module_forward_pre_hook", None), getattr(engine, "module_forward_post_hook", None)]
+    handles = [h for h in handles if h is not None]
+    ids = {h.id for h in handles}
+    saved = {}
+    for h in handles:
+        hooks = h.hooks_dict_ref()
+        if hooks is not None and id(hooks) not in saved:
+            saved[id(hooks)] = (hooks, list(hooks.items()))
+    try:
+        for hooks, _ in saved.values():
+            for key in [k for k in hooks if k in ids]:
+                del hooks[key]
+        yield
+    finally:
+        for hooks, items in saved.values():
+            added = [(k, v) for k, v in hooks.items() if k not in ids]
+            hooks.clear()
+            hooks.update(items)
+            hooks.update((k, v) for k, v in added if k not in hooks)
 
 
 def _trace_coordinator(engine):
@@ -94,14 +159,29 @@ def _trace_coordinator(engine):
 
 @contextmanager
 def probing(engine):
-    """Around the probe's forwards on ``engine.module``: under ZeRO-3 the prefetch trace is invalidated afterwards
-    (see the module docstring), so the next training forward records its own."""
+    """Around the probe's forwards on ``engine.module``; yields the probe's ``swap``. Under ZeRO-3 with
+    :func:`zero3_direct`, each forward runs with DeepSpeed's module hooks detached (the views bring every weight:
+    no bf16 gather per module, the wasted one of the master pass included; the prefetch trace is not touched);
+    otherwise (ZeRO-3) inside them, with the prefetch trace invalidated afterwards (see the module docstring), so the
+    next training forward records its own. Below ZeRO-3: None (the default swap)."""
     coordinator = _trace_coordinator(engine)
+    if coordinator is not None and zero3_direct(engine) is not None:
+        @contextmanager
+        def swap(model, view):
+            with _deepspeed_hooks_detached(engine), weights_swapped(model, view):
+                yield
+
+        try:
+            yield swap
+        finally:
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+        return
     try:
-        yield
+        yield None
     finally:
         if coordinator is not None and not coordinator.is_invalid_trace():
             coordinator._invalidate_trace()
 
 
-__all__ = ["deepspeed_policy_views", "master_view", "probing", "served_view"]
+__all__ = ["deepspeed_policy_views", "master_view", "probing", "served_view", "zero3_direct"]

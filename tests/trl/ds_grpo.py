@@ -207,10 +207,30 @@ class Recorder(TrainerCallback):
     def watch_policy(self):
         """Record each policy measurement: the tokens it scored, the temperature, and the rows it produced (before
         the per-step ``fc.metrics()`` takes them), so a one-process reference can recompute them."""
+        from faircast_plugins.deepspeed import master_windows, policy_views
+
         fc = self.trainer._faircast
         original, views = fc.measure_policy, fc.backend.policy_views
         self.probes = []
         seen = {"served": {}, "master": {}}
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several windows, one across the ranks' ZeRO-2 partitions
+            master_windows.WINDOW_BYTES = 4096
+        counts = {"window_loads": 0, "per_parameter_masters": 0, "deepspeed_fetches": 0}
+
+        def counted(owner, attr, key):
+            inner = getattr(owner, attr)
+
+            def call(*args, **kwargs):
+                counts[key] += 1
+                return inner(*args, **kwargs)
+            setattr(owner, attr, call)
+
+        counted(master_windows.Zero12Layout, "load", "window_loads")
+        counted(master_windows.Zero3Layout, "load", "window_loads")
+        counted(policy_views, "master_view", "per_parameter_masters")  # the per-parameter path (not taken here)
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        counted(PartitionedParameterCoordinator, "fetch_sub_module", "deepspeed_fetches")  # ZeRO-3's module gathers
 
         def recorded_views():  # each view's value of every parameter, as the probe's forwards read it (first use)
             module = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -232,6 +252,7 @@ class Recorder(TrainerCallback):
         def measure_policy(inputs, step, temperature):
             before = fc.policy.pending.shape[0] if fc.policy.pending is not None else 0
             seen["served"], seen["master"] = {}, {}
+            counts.update(window_loads=0, per_parameter_masters=0, deepspeed_fetches=0)
             result = original(inputs, step, temperature)
             rows = fc.policy.pending[before:] if fc.policy.pending is not None else None
             # ZeRO-3 bookkeeping after the probe: a parameter DeepSpeed marked released must hold no gathered data
@@ -241,7 +262,7 @@ class Recorder(TrainerCallback):
             if rows is not None and rows.shape[0]:
                 n = rows.shape[0]
                 self.probes.append({"step": step, "temperature": temperature, "rows": rows.clone(),
-                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
+                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale, **counts,
                                     "released": sum(getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE"
                                                     for p in module.parameters()),
                                     **{k: inputs[k][:n].detach().cpu().clone() for k in

@@ -460,6 +460,14 @@ def test_policy_metrics_equal_a_one_process_reference(request, tiny_model_dir, f
                 want = (expected_served(m, seed=SEED, version=probe["step"], name=n, mode="stochastic")
                         if stochastic else m.to(torch.bfloat16))
                 assert torch.equal(served[n], want), n
+            # the masters came from DeepSpeed's flat fp32 partitions a window at a time (deepspeed/master_windows.py),
+            # not one collective per parameter; at two ranks in several small windows (ds_grpo.py)
+            assert probe["per_parameter_masters"] == 0 and probe["window_loads"] >= 1, probe["window_loads"]
+            if world == 2:
+                assert probe["window_loads"] > 2
+            # ZeRO-3: both views come from the partitions (deepspeed/policy_views.zero3_direct), so the forwards run
+            # without DeepSpeed's module gathers (session 15: one per module and forward, the master pass's wasted)
+            assert probe["deepspeed_fetches"] == 0, probe["deepspeed_fetches"]
             # ZeRO-3: after the probe every partitioned parameter is released again and holds no gathered data
             assert probe["stale"] == [] and (probe["released"] > 0) == tag.startswith("z3"), probe["stale"]
             if probe["step"] > 0:

@@ -14,21 +14,31 @@ data-parallel group; ZeRO-3: an all-gather of the fp32 partitions). Both are col
 for the same parameters in the same order, so the probe's forwards run on every rank. Frozen parameters have no
 optimizer master; their bf16 weight is all there is.
 
-ZeRO-3 (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered at
-engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook
+ZeRO-3, direct (:func:`zero3_direct`, the default where it applies): both views come from the optimizer's
+partitions a window at a time (served: the bf16 partitions ``fp16_partitioned_groups_flat``, exactly what
+DeepSpeed's module hooks would gather; master: the fp32 ones), and :func:`probing`'s swap runs each forward with
+DeepSpeed's module hooks and the engine's forward prologue/epilogue hooks detached: no per-module bf16 all-gather
+(session 15 ran one per module in each of the two forwards, the master forward's wasted), no "external parameter"
+gathers (the prologue marks the modules in forward), nothing recorded in the prefetch trace. ``p.ds_status`` and
+``p.ds_tensor`` are not touched; a persistent parameter (whole on every rank) is served from its own weight. It
+applies when every partitioned parameter of the module is in both window layouts (not a frozen one, not one offloaded
+away from the flat buffers, not a sub-group swapped to NVMe).
+
+ZeRO-3 otherwise (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered
+at engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook
 releases them (``release_sub_module`` -> ``param.partition()``). :func:`faircast_plugins.policy_lag.weights_swapped`
 registers its pre-hook after DeepSpeed's (it runs after the fetch: ``p.data`` is the gathered bf16 weight, which
 the views read) and its post-hook prepended (it runs before the release: DeepSpeed partitions the gathered bf16
-tensor it put there, never ours). ``p.ds_status`` and ``p.ds_tensor`` are not touched.
+tensor it put there, never ours).
 
 ZeRO-3's prefetcher (``partitioned_param_coordinator.py``) records the module order of one forward + backward as its
 trace and, once complete, releases and prefetches by it. The probe's forwards (no backward; the modules of the HF
 forward, where a trainer's own forward may differ, e.g. TRL's fused LM head reads ``lm_head.weight`` without calling
 ``lm_head``) would be recorded or checked against that trace: measured, TRL's next backward then found the tied
 embedding released (``AccumulateGrad`` on an empty weight). :func:`probing` therefore invalidates the trace after
-the probe, the state TRL's own generation leaves it in (``trl.models.utils.add_hooks``): the next training forward
-records a fresh trace, and training runs as without the probe (tested bit for bit); the cost is one step without
-prefetch every N steps.
+the probe (also after direct forwards, which record nothing: kept as the tested state), the state TRL's own
+generation leaves it in (``trl.models.utils.add_hooks``): the next training forward records a fresh trace, and
+training runs as without the probe (tested bit for bit); the cost is one step without prefetch every N steps.
 """
 from __future__ import annotations
 
@@ -161,24 +171,18 @@ def _trace_coordinator(engine):
 def probing(engine):
     """Around the probe's forwards on ``engine.module``; yields the probe's ``swap``. Under ZeRO-3 with
     :func:`zero3_direct`, each forward runs with DeepSpeed's module hooks detached (the views bring every weight:
-    no bf16 gather per module, the wasted one of the master pass included; the prefetch trace is not touched);
-    otherwise (ZeRO-3) inside them, with the prefetch trace invalidated afterwards (see the module docstring), so the
-    next training forward records its own. Below ZeRO-3: None (the default swap)."""
+    no bf16 gather per module, the wasted one of the master pass included); otherwise (ZeRO-3) inside them. Either
+    way under ZeRO-3 the prefetch trace is invalidated afterwards (see the module docstring), so the next training
+    forward records its own. Below ZeRO-3: None (the default swap)."""
     coordinator = _trace_coordinator(engine)
+    swap = None
     if coordinator is not None and zero3_direct(engine) is not None:
         @contextmanager
         def swap(model, view):
             with _deepspeed_hooks_detached(engine), weights_swapped(model, view):
                 yield
-
-        try:
-            yield swap
-        finally:
-            if not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()
-        return
     try:
-        yield None
+        yield swap
     finally:
         if coordinator is not None and not coordinator.is_invalid_trace():
             coordinator._invalidate_trace()

@@ -14,7 +14,8 @@ A scenario is ``CONFIG:MODE[:ROLE]``:
   ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded) or
   ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``) or ``policy``
   (``faircast_policy_metrics_every=1``: the ``faircast/policy_*`` metrics every step, on 2 sequences per rank;
-  each measurement's tokens, rows, and the two weight views as its forwards read them are recorded).
+  each measurement's tokens, rows, and the two weight views as its forwards read them are recorded) or
+  ``policy_hooks`` (``policy`` with ZeRO-3's direct forwards switched off: the fallback inside DeepSpeed's hooks).
 
 Every scenario trains 4 GRPO steps; all scenarios of one invocation share the process group (importing DeepSpeed
 and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
@@ -204,7 +205,7 @@ class Recorder(TrainerCallback):
         generation.sync_weights = sync_weights
 
 
-    def watch_policy(self):
+    def watch_policy(self, hooks: bool = False):
         """Record each policy measurement: the tokens it scored, the temperature, and the rows it produced (before
         the per-step ``fc.metrics()`` takes them), so a one-process reference can recompute them."""
         from faircast_plugins.deepspeed import master_windows, policy_views
@@ -225,6 +226,11 @@ class Recorder(TrainerCallback):
                 return inner(*args, **kwargs)
             setattr(owner, attr, call)
 
+        self.restore = lambda: None
+        if hooks:  # ZeRO-3's fallback (a frozen or offloaded parameter): the forwards inside DeepSpeed's hooks
+            direct = policy_views.zero3_direct
+            policy_views.zero3_direct = lambda engine: None
+            self.restore = lambda: setattr(policy_views, "zero3_direct", direct)  # after this scenario
         counted(master_windows.Zero12Layout, "load", "window_loads")
         counted(master_windows.Zero3Layout, "load", "window_loads")
         counted(policy_views, "master_view", "per_parameter_masters")  # the per-parameter path (not taken here)
@@ -330,7 +336,7 @@ def run(scenario: str) -> None:
         faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
         faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
         faircast_resume_without_state=(role == "fresh"), faircast_audit=REAL,
-        faircast_policy_metrics_every=int(role == "policy"), faircast_policy_metrics_seqs=2, **extra,
+        faircast_policy_metrics_every=int(role.startswith("policy")), faircast_policy_metrics_seqs=2, **extra,
     )
     from helpers import length_reward
 
@@ -343,8 +349,8 @@ def run(scenario: str) -> None:
     if cb:
         recorder.watch_continuous_batching()
     recorder.probes = []
-    if role == "policy":
-        recorder.watch_policy()
+    if role.startswith("policy"):
+        recorder.watch_policy(hooks=role == "policy_hooks")
     error = None
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -352,6 +358,9 @@ def run(scenario: str) -> None:
         if role != "nostate":
             raise
         error = str(e)
+    finally:
+        if role.startswith("policy"):
+            recorder.restore()
     engine = trainer.deepspeed
     torch.save({
         "steps": recorder.steps, "syncs": recorder.syncs, "seed": SEED, "mode": mode, "error": error,

@@ -91,8 +91,15 @@ class Zero12Layout:
             starts = [sum(sizes[:r]) for r in range(dp)]
             self.bounds.append([(s, s + n) for s, n in zip(starts, sizes)])
             me = dist.get_rank(group=group) if dist else 0
-            if optimizer.single_partition_of_fp32_groups[i].numel() != sizes[me]:
-                continue  # not the layout read: the per-parameter view
+            if optimizer.single_partition_of_fp32_groups[i].numel() != sizes[me]:  # on one rank: refuse, not hang
+                from ..patching import FairCastPatchError, installed_version
+
+                raise FairCastPatchError(
+                    f"faircast policy metrics under DeepSpeed {installed_version('deepspeed') or '?'} ZeRO-1/2: this "
+                    f"rank's fp32 partition of param group {i} holds "
+                    f"{optimizer.single_partition_of_fp32_groups[i].numel()} elements, not the {sizes[me]} of "
+                    f"get_data_parallel_partitions as read in DeepSpeed 0.19. Use DeepSpeed 0.19, or set "
+                    f"policy_metrics_every=0")
             params = optimizer.round_robin_bit16_groups[i]
             offsets = getattr(optimizer, "round_robin_bit16_offsets", None)
             offsets = offsets[i] if offsets is not None else [self._offset_in(flat, p) for p in params]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -64,6 +65,24 @@ def _tensors_of(obj, depth: int = 3):
     return out
 
 
+#: the probe arm that runs session 15's views (one collective per parameter; ZeRO-3 inside DeepSpeed's gathers)
+LEGACY = " (per-parameter views)"
+
+
+@contextmanager
+def per_parameter_views(on: bool):
+    """Inside (``on``), the DeepSpeed policy views fall back to session 15's: no windowed layout is found."""
+    from faircast_plugins.deepspeed import master_windows
+
+    original = master_windows.layout_of
+    if on:
+        master_windows.layout_of = lambda optimizer: None
+    try:
+        yield
+    finally:
+        master_windows.layout_of = original
+
+
 def make_arm_factory(stage: int, size: harness.Size, backend: str, policy_seqs: int = 0):
     from types import SimpleNamespace
 
@@ -101,7 +120,8 @@ def make_arm_factory(stage: int, size: harness.Size, backend: str, policy_seqs: 
 
         def step() -> None:
             if probe:  # what OpenRLHF's wrapped training_step does on a due step, before the update
-                policy_probe.measure(engine, experience, 1.0)
+                with per_parameter_views(LEGACY in label):
+                    policy_probe.measure(engine, experience, 1.0)
                 policy_probe.take_metrics(engine)
             loss = harness.lm_loss(engine, ids)
             engine.backward(loss)
@@ -130,15 +150,65 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     from faircast_plugins.deepspeed import patch
     from faircast_plugins.openrlhf import policy_probe
 
+    if arm.label.endswith(" + policy probe"):
+        probe_breakdown(timers)
     if arm.fc is None:
         return
-    if arm.label.endswith(" + policy probe"):
-        timers.wrap(policy_probe, "measure", "hook: policy probe")
     timers.wrap(patch._CopyBackInterceptor, "copy_", "hook: copy-back copy_ (cast + copies)")
     timers.wrap(patch, "_copy_back_problem", "hook: copy-back check")
     timers.wrap(patch, "_on_any_rank", "hook: check all-reduce")
     timers.wrap(patch.WeightLayout, "of_engine", "hook: weight layout")
     timers.wrap(patch.DeepSpeedFairCast, "take_model_step", "hook: whole take_model_step (incl. optimizer)")
+
+
+def probe_breakdown(timers: harness.Timers) -> None:
+    """The probe's parts: its whole measurement, the forwards (which include the views, the swap hooks and, under
+    ZeRO-3, DeepSpeed's bf16 gathers), the master view (assembling DeepSpeed's fp32 partitions, collectives
+    included), the served view (widening), the per-sequence statistics; and DeepSpeed ZeRO-3's module fetches (of
+    the whole step: compare with the arm without the probe)."""
+    from faircast_plugins import policy_lag
+    from faircast_plugins.deepspeed import policy_views
+    from faircast_plugins.openrlhf import policy_probe
+
+    timers.wrap(policy_probe, "measure", "hook: policy probe")
+    timers.wrap(policy_lag, "_completion_logits", "probe: forwards (incl. views, hooks, ZeRO-3 gathers)")
+    timers.wrap(policy_lag, "sequence_stats", "probe: sequence_stats")
+    timers.wrap(policy_views, "served_view", "probe: served view (widening)")
+    if hasattr(policy_views, "master_view"):  # the per-parameter view (session 15)
+        timers.wrap(policy_views, "master_view", "probe: master view (per-parameter assembly)")
+    try:  # the windowed assembly
+        from faircast_plugins.deepspeed import master_windows
+    except ImportError:
+        master_windows = None
+    if master_windows is not None:
+        timers.wrap(master_windows.MasterWindows, "__call__", "probe: master view (windows: loads + slices)")
+        timers.wrap(master_windows.Zero12Layout, "load", "probe: master window loads (ZeRO-1/2 broadcasts)")
+        timers.wrap(master_windows.Zero3Layout, "load", "probe: master window loads (ZeRO-3 all-gathers)")
+    try:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    except ImportError:
+        return
+    timers.wrap(PartitionedParameterCoordinator, "fetch_sub_module", "zero3: fetch_sub_module (whole step)")
+
+
+def compare_summary(result: dict, every: int = 10) -> None:
+    """Windowed vs per-parameter views in the same run: each probe arm's cost at ``every`` against stochastic, and
+    the probe's own instrumented time per measurement."""
+    from trl_plain import PROBE
+
+    rows = {r["arm"]: r for r in result["rows"]}
+    base = rows.get("stochastic")
+    if base is None:
+        return
+    harness.say(f"\nviews side by side (same run; paired median ratios against 'stochastic'; cost per step at every={every})")
+    for label in ("stochastic" + PROBE, "stochastic" + LEGACY + PROBE):
+        row = rows.get(label)
+        if row is None:
+            continue
+        ratio = row["ratio_median"] / base["ratio_median"]
+        probe_ms = (row.get("breakdown_ms") or {}).get("hook: policy probe")
+        extra = f", probe {probe_ms:.0f} ms instrumented" if probe_ms is not None else ""
+        harness.say(f"  {label:<50} {ratio:.2f}x -> +{(ratio - 1) / every * 100:.1f}% of a step{extra}")
 
 
 def main() -> int:
@@ -149,6 +219,10 @@ def main() -> int:
     parser.add_argument("--policy-seqs", type=int, default=0,
                         help="also time the faircast/policy_* probe on this many sequences per rank and step (arms "
                              "'flag off + policy probe', 'stochastic + policy probe')")
+    parser.add_argument("--policy-compare", action="store_true",
+                        help="with --policy-seqs: also the arm 'stochastic (per-parameter views) + policy probe', "
+                             "session 15's views (one collective per parameter, ZeRO-3 inside DeepSpeed's gathers), "
+                             "side by side with today's windowed views")
     args = parser.parse_args()
     harness.as_ranks(args.world)
     size = harness.settle(args)
@@ -165,10 +239,16 @@ def main() -> int:
         harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
         if args.arms:
             args.arms += f",flag off{PROBE},stochastic{PROBE}"
+        if args.policy_compare:
+            harness.ALL_ARMS.append(("stochastic" + LEGACY + PROBE, "stochastic", False))
+            if args.arms:
+                args.arms += f",stochastic{LEGACY}{PROBE}"
     result = harness.measure(path, make_arm_factory(args.stage, size, args.backend, args.policy_seqs), hooks, params,
                              args, mem_target=MEM_TARGET)
     if args.policy_seqs and torch.distributed.get_rank() == 0:
         policy_summary(result, args.policy_seqs, size)
+        if args.policy_compare:
+            compare_summary(result)
     torch.distributed.destroy_process_group()
     return 0
 

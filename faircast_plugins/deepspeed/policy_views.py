@@ -5,27 +5,40 @@
 it: ``fair_cast(master)`` with the copy-back patch attached and Fair Cast on, DeepSpeed's own round to nearest
 otherwise; it is what the rollout engine receives.
 
-``master``: the fp32 master the optimizer trains, assembled from DeepSpeed's optimizer partitions by
-``deepspeed.utils.safe_get_full_fp32_param`` (ZeRO-1/2: an all-reduce over the data-parallel group; ZeRO-3: an
-all-gather of the fp32 partitions). Every rank must run it for the same parameters in the same order: the probe's
-forwards run on every rank (the master view is a collective). Frozen parameters have no optimizer master; their
-bf16 weight is all there is.
+``master``: the fp32 master the optimizer trains, assembled from DeepSpeed's optimizer partitions. Given the engine
+(:func:`deepspeed_policy_views`), a window of consecutive parameters at a time from the optimizer's flat fp32
+partitions (:mod:`faircast_plugins.deepspeed.master_windows`: ZeRO-1/2 one broadcast per owning rank, ZeRO-3 one
+all-gather, per window of up to ``WINDOW_BYTES``); otherwise, and for a parameter outside that layout, one
+parameter at a time by ``deepspeed.utils.safe_get_full_fp32_param`` (ZeRO-1/2: an all-reduce over the
+data-parallel group; ZeRO-3: an all-gather of the fp32 partitions). Both are collectives: every rank must run them
+for the same parameters in the same order, so the probe's forwards run on every rank. Frozen parameters have no
+optimizer master; their bf16 weight is all there is.
 
-ZeRO-3 (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered at
-engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook
+ZeRO-3, direct (:func:`zero3_direct`, the default where it applies): both views come from the optimizer's
+partitions a window at a time (served: the bf16 partitions ``fp16_partitioned_groups_flat``, exactly what
+DeepSpeed's module hooks would gather; master: the fp32 ones), and :func:`probing`'s swap runs each forward with
+DeepSpeed's module hooks and the engine's forward prologue/epilogue hooks detached: no per-module bf16 all-gather
+(session 15 ran one per module in each of the two forwards, the master forward's wasted), no "external parameter"
+gathers (the prologue marks the modules in forward), nothing recorded in the prefetch trace. ``p.ds_status`` and
+``p.ds_tensor`` are not touched; a persistent parameter (whole on every rank) is served from its own weight. It
+applies when every partitioned parameter of the module is in both window layouts (not a frozen one, not one offloaded
+away from the flat buffers, not a sub-group swapped to NVMe).
+
+ZeRO-3 otherwise (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered
+at engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook
 releases them (``release_sub_module`` -> ``param.partition()``). :func:`faircast_plugins.policy_lag.weights_swapped`
 registers its pre-hook after DeepSpeed's (it runs after the fetch: ``p.data`` is the gathered bf16 weight, which
 the views read) and its post-hook prepended (it runs before the release: DeepSpeed partitions the gathered bf16
-tensor it put there, never ours). ``p.ds_status`` and ``p.ds_tensor`` are not touched.
+tensor it put there, never ours).
 
 ZeRO-3's prefetcher (``partitioned_param_coordinator.py``) records the module order of one forward + backward as its
 trace and, once complete, releases and prefetches by it. The probe's forwards (no backward; the modules of the HF
 forward, where a trainer's own forward may differ, e.g. TRL's fused LM head reads ``lm_head.weight`` without calling
 ``lm_head``) would be recorded or checked against that trace: measured, TRL's next backward then found the tied
 embedding released (``AccumulateGrad`` on an empty weight). :func:`probing` therefore invalidates the trace after
-the probe, the state TRL's own generation leaves it in (``trl.models.utils.add_hooks``): the next training forward
-records a fresh trace, and training runs as without the probe (tested bit for bit); the cost is one step without
-prefetch every N steps.
+the probe (also after direct forwards, which record nothing: kept as the tested state), the state TRL's own
+generation leaves it in (``trl.models.utils.add_hooks``): the next training forward records a fresh trace, and
+training runs as without the probe (tested bit for bit); the cost is one step without prefetch every N steps.
 """
 from __future__ import annotations
 
@@ -35,7 +48,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..patching import FairCastPatchError
-from ..policy_lag import widened
+from ..policy_lag import weights_swapped, widened
 
 View = Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
 
@@ -54,9 +67,86 @@ def master_view(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return full.to(p.data.device).view(p.data.shape)
 
 
-def deepspeed_policy_views() -> Tuple[View, View]:
-    """``(served, master)`` for :meth:`faircast_plugins.policy_lag.PolicyLagProbe.measure` on a DeepSpeed module."""
-    return served_view, master_view
+def deepspeed_policy_views(engine=None) -> Tuple[View, View]:
+    """``(served, master)`` for :meth:`faircast_plugins.policy_lag.PolicyLagProbe.measure` on a DeepSpeed module;
+    with ``engine``, the master view assembles its optimizer's masters a window at a time, and under ZeRO-3 with
+    :func:`probing`'s direct forwards (:func:`zero3_direct`) the served view its bf16 partitions likewise (one
+    measurement's views: the weights move at every step)."""
+    from .master_windows import master_windows
+
+    windows = master_windows(engine) if engine is not None else None
+    direct = zero3_direct(engine)
+    if windows is None:
+        return served_view, master_view
+
+    def master(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        full = windows(p)
+        return full if full is not None else master_view(p)
+
+    if direct is None:
+        return served_view, master
+
+    def served(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        if _gathered(p):  # a persistent parameter (stage3_param_persistence_threshold): its bf16 weight is whole
+            return served_view(p)
+        return direct(p)
+
+    return served, master
+
+
+def _gathered(p: torch.nn.Parameter) -> bool:
+    return getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") == "AVAILABLE"
+
+
+def zero3_direct(engine):
+    """Under ZeRO-3, the windowed served view (the bf16 partitions, gathered a window at a time) when it and the
+    master windows hold every parameter DeepSpeed has partitioned away, so the probe's forwards need none of
+    DeepSpeed's per-module gathers (:func:`probing` then runs them with its module hooks detached); else None (a
+    frozen or offloaded parameter, another DeepSpeed: the forwards run inside DeepSpeed's hooks as before)."""
+    if engine is None or engine.zero_optimization_stage() != 3:
+        return None
+    from .master_windows import MasterWindows, Zero3Layout, layout_of
+
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None or not all(hasattr(offload, a) for a in ("forward_hooks", "backward_hooks")):
+        return None
+    master = layout_of(engine.optimizer)
+    if not isinstance(master, Zero3Layout):
+        return None
+    served = Zero3Layout(engine.optimizer, served=True)
+    if any(not _gathered(p) and (id(p) not in master.places or id(p) not in served.places)
+           for p in engine.module.parameters()):
+        return None
+    return MasterWindows(served)
+
+
+@contextmanager
+def _deepspeed_hooks_detached(engine):
+    """ZeRO-3's module hooks (gather before each module's forward, release after, the backward bookkeeping, the
+    step reset of the root) and the engine's forward prologue/epilogue hooks on the root (the prologue marks every
+    module "in forward", where reading a partitioned parameter gathers it) out of the modules' hook dicts inside,
+    restored in their order on exit."""
+    offload = engine.optimizer.parameter_offload
+    handles = [*offload.forward_hooks, *offload.backward_hooks, getattr(offload, "fwd_pre_hook", None),
+               getattr(engine, "module_forward_pre_hook", None), getattr(engine, "module_forward_post_hook", None)]
+    handles = [h for h in handles if h is not None]
+    ids = {h.id for h in handles}
+    saved = {}
+    for h in handles:
+        hooks = h.hooks_dict_ref()
+        if hooks is not None and id(hooks) not in saved:
+            saved[id(hooks)] = (hooks, list(hooks.items()))
+    try:
+        for hooks, _ in saved.values():
+            for key in [k for k in hooks if k in ids]:
+                del hooks[key]
+        yield
+    finally:
+        for hooks, items in saved.values():
+            added = [(k, v) for k, v in hooks.items() if k not in ids]
+            hooks.clear()
+            hooks.update(items)
+            hooks.update((k, v) for k, v in added if k not in hooks)
 
 
 def _trace_coordinator(engine):
@@ -79,14 +169,23 @@ def _trace_coordinator(engine):
 
 @contextmanager
 def probing(engine):
-    """Around the probe's forwards on ``engine.module``: under ZeRO-3 the prefetch trace is invalidated afterwards
-    (see the module docstring), so the next training forward records its own."""
+    """Around the probe's forwards on ``engine.module``; yields the probe's ``swap``. Under ZeRO-3 with
+    :func:`zero3_direct`, each forward runs with DeepSpeed's module hooks detached (the views bring every weight:
+    no bf16 gather per module, the wasted one of the master pass included); otherwise (ZeRO-3) inside them. Either
+    way under ZeRO-3 the prefetch trace is invalidated afterwards (see the module docstring), so the next training
+    forward records its own. Below ZeRO-3: None (the default swap)."""
     coordinator = _trace_coordinator(engine)
+    swap = None
+    if coordinator is not None and zero3_direct(engine) is not None:
+        @contextmanager
+        def swap(model, view):
+            with _deepspeed_hooks_detached(engine), weights_swapped(model, view):
+                yield
     try:
-        yield
+        yield swap
     finally:
         if coordinator is not None and not coordinator.is_invalid_trace():
             coordinator._invalidate_trace()
 
 
-__all__ = ["deepspeed_policy_views", "master_view", "probing", "served_view"]
+__all__ = ["deepspeed_policy_views", "master_view", "probing", "served_view", "zero3_direct"]

@@ -62,11 +62,11 @@ def measure(engine, experience, temperature: float) -> None:
 
     sequences, attention_mask, action_mask = experience.sequences, experience.attention_mask, experience.action_mask
     actions = action_mask.shape[1]
-    served, master = deepspeed_policy_views()
-    with probing(engine):
+    served, master = deepspeed_policy_views(engine)
+    with probing(engine) as swap:
         probe.measure(engine.module, step, sequences[:, :-actions], attention_mask[:, :-actions],
                       sequences[:, -actions:], action_mask.long(), served=served, master=master,
-                      temperature=temperature, mask_positions=True, collective=True)
+                      temperature=temperature, mask_positions=True, collective=True, swap=swap)
 
 
 def install(policy_actor) -> None:

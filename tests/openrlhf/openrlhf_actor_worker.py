@@ -112,10 +112,28 @@ def record_probe(actor, holder, names):
     from faircast_plugins.deepspeed import policy_views
     from faircast_plugins.openrlhf import policy_probe
 
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from faircast_plugins.deepspeed import master_windows
+
     probes, seen = [], {}
     views = policy_views.deepspeed_policy_views
+    counts = {"window_loads": 0, "per_parameter_masters": 0, "deepspeed_fetches": 0}
 
-    def recorded_views():
+    def counted(owner, attr, key):
+        inner = getattr(owner, attr)
+
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return inner(*args, **kwargs)
+        setattr(owner, attr, call)
+
+    counted(master_windows.Zero12Layout, "load", "window_loads")
+    counted(master_windows.Zero3Layout, "load", "window_loads")
+    counted(policy_views, "master_view", "per_parameter_masters")
+    counted(PartitionedParameterCoordinator, "fetch_sub_module", "deepspeed_fetches")
+
+    def recorded_views(engine=None):
         def record(kind, view):
             def wrapped(p):
                 out = view(p)
@@ -124,7 +142,7 @@ def record_probe(actor, holder, names):
                 return out
             return wrapped
 
-        served, master = views()
+        served, master = views(engine)
         return record("served", served), record("master", master)
 
     policy_views.deepspeed_policy_views = recorded_views
@@ -134,13 +152,14 @@ def record_probe(actor, holder, names):
         probe = engine.__dict__[policy_probe.PROBE_ATTR]
         before = probe.pending.shape[0] if probe.pending is not None else 0
         seen["served"], seen["master"] = {}, {}
+        counts.update(window_loads=0, per_parameter_masters=0, deepspeed_fetches=0)
         original(engine, experience, temperature)
         rows = probe.pending[before:] if probe.pending is not None else None
         if rows is not None and rows.shape[0]:
             stale = [names[id(p)] for p in engine.module.parameters() if getattr(getattr(p, "ds_status", None),
                      "name", None) == "NOT_AVAILABLE" and p.data.numel() != 0]
             probes.append({"step": int(engine.global_steps), "temperature": temperature, "rows": rows.clone(),
-                           "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
+                           "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale, **counts,
                            "sequences": experience.sequences.clone(), "action_mask": experience.action_mask.clone(),
                            "attention_mask": experience.attention_mask.clone()})
 

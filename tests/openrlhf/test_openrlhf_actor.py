@@ -170,6 +170,9 @@ def test_policy_metrics_equal_a_one_process_reference(runs, key):
             assert torch.equal(_bits(served[name]), _bits(want)), (step, name)
         if step > 0:
             assert any(not torch.equal(probe["master_view"][n], probe["served_view"][n]) for n in masters)
+        # the masters (ZeRO-3: both views) came from the optimizer's partitions a window at a time, and the ZeRO-3
+        # forwards ran without DeepSpeed's module gathers (deepspeed/master_windows.py, policy_views.zero3_direct)
+        assert probe["window_loads"] >= 1 and probe["per_parameter_masters"] == 0 and probe["deepspeed_fetches"] == 0
         tol = dict(rtol=1e-3, atol=1e-5) if stage == 3 else dict(rtol=1e-5, atol=1e-9)
         ref = _reference_rows(probe)
         assert torch.allclose(probe["rows"], ref, **tol), (step, probe["rows"], ref)

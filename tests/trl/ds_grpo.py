@@ -14,7 +14,8 @@ A scenario is ``CONFIG:MODE[:ROLE]``:
   ``nostate`` (resume from a copy of that checkpoint without its Fair Cast state files; the error is recorded) or
   ``fresh`` (``nostate`` with ``faircast_resume_without_state=True``) or ``policy``
   (``faircast_policy_metrics_every=1``: the ``faircast/policy_*`` metrics every step, on 2 sequences per rank;
-  each measurement's tokens, rows, and the two weight views as its forwards read them are recorded).
+  each measurement's tokens, rows, and the two weight views as its forwards read them are recorded) or
+  ``policy_hooks`` (``policy`` with ZeRO-3's direct forwards switched off: the fallback inside DeepSpeed's hooks).
 
 Every scenario trains 4 GRPO steps; all scenarios of one invocation share the process group (importing DeepSpeed
 and TRL is the slow part). Every rank writes ``OUT_DIR/<CONFIG>-<MODE>[-<ROLE>].rank<r>.pt`` with, per canonical
@@ -204,13 +205,38 @@ class Recorder(TrainerCallback):
         generation.sync_weights = sync_weights
 
 
-    def watch_policy(self):
+    def watch_policy(self, hooks: bool = False):
         """Record each policy measurement: the tokens it scored, the temperature, and the rows it produced (before
         the per-step ``fc.metrics()`` takes them), so a one-process reference can recompute them."""
+        from faircast_plugins.deepspeed import master_windows, policy_views
+
         fc = self.trainer._faircast
         original, views = fc.measure_policy, fc.backend.policy_views
         self.probes = []
         seen = {"served": {}, "master": {}}
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several windows, one across the ranks' ZeRO-2 partitions
+            master_windows.WINDOW_BYTES = 4096
+        counts = {"window_loads": 0, "per_parameter_masters": 0, "deepspeed_fetches": 0}
+
+        def counted(owner, attr, key):
+            inner = getattr(owner, attr)
+
+            def call(*args, **kwargs):
+                counts[key] += 1
+                return inner(*args, **kwargs)
+            setattr(owner, attr, call)
+
+        self.restore = lambda: None
+        if hooks:  # ZeRO-3's fallback (a frozen or offloaded parameter): the forwards inside DeepSpeed's hooks
+            direct = policy_views.zero3_direct
+            policy_views.zero3_direct = lambda engine: None
+            self.restore = lambda: setattr(policy_views, "zero3_direct", direct)  # after this scenario
+        counted(master_windows.Zero12Layout, "load", "window_loads")
+        counted(master_windows.Zero3Layout, "load", "window_loads")
+        counted(policy_views, "master_view", "per_parameter_masters")  # the per-parameter path (not taken here)
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        counted(PartitionedParameterCoordinator, "fetch_sub_module", "deepspeed_fetches")  # ZeRO-3's module gathers
 
         def recorded_views():  # each view's value of every parameter, as the probe's forwards read it (first use)
             module = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -232,6 +258,7 @@ class Recorder(TrainerCallback):
         def measure_policy(inputs, step, temperature):
             before = fc.policy.pending.shape[0] if fc.policy.pending is not None else 0
             seen["served"], seen["master"] = {}, {}
+            counts.update(window_loads=0, per_parameter_masters=0, deepspeed_fetches=0)
             result = original(inputs, step, temperature)
             rows = fc.policy.pending[before:] if fc.policy.pending is not None else None
             # ZeRO-3 bookkeeping after the probe: a parameter DeepSpeed marked released must hold no gathered data
@@ -241,7 +268,7 @@ class Recorder(TrainerCallback):
             if rows is not None and rows.shape[0]:
                 n = rows.shape[0]
                 self.probes.append({"step": step, "temperature": temperature, "rows": rows.clone(),
-                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale,
+                                    "served_view": dict(seen["served"]), "master_view": dict(seen["master"]), "stale": stale, **counts,
                                     "released": sum(getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE"
                                                     for p in module.parameters()),
                                     **{k: inputs[k][:n].detach().cpu().clone() for k in
@@ -309,7 +336,7 @@ def run(scenario: str) -> None:
         faircast=(mode != "off"), faircast_mode=(mode if mode in ("stochastic", "error_feedback") else "stochastic"),
         faircast_seed=SEED, faircast_ema_decay=(EMA_DECAY if mode == "ema" else 0.0),
         faircast_resume_without_state=(role == "fresh"), faircast_audit=REAL,
-        faircast_policy_metrics_every=int(role == "policy"), faircast_policy_metrics_seqs=2, **extra,
+        faircast_policy_metrics_every=int(role.startswith("policy")), faircast_policy_metrics_seqs=2, **extra,
     )
     from helpers import length_reward
 
@@ -322,8 +349,8 @@ def run(scenario: str) -> None:
     if cb:
         recorder.watch_continuous_batching()
     recorder.probes = []
-    if role == "policy":
-        recorder.watch_policy()
+    if role.startswith("policy"):
+        recorder.watch_policy(hooks=role == "policy_hooks")
     error = None
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -331,6 +358,9 @@ def run(scenario: str) -> None:
         if role != "nostate":
             raise
         error = str(e)
+    finally:
+        if role.startswith("policy"):
+            recorder.restore()
     engine = trainer.deepspeed
     torch.save({
         "steps": recorder.steps, "syncs": recorder.syncs, "seed": SEED, "mode": mode, "error": error,

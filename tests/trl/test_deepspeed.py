@@ -65,7 +65,7 @@ TWO_PROCESS = [
     "z3:ema:save", "z3:ema:resume",
     "z2_offload:stochastic", "z3_offload:stochastic",
     "z2:off", "z3_offload:off",
-    "z2:stochastic:policy", "z3:stochastic:policy",
+    "z2:stochastic:policy", "z3:stochastic:policy", "z3:stochastic:policy_hooks",
 ]
 # The colocated vLLM engine goes last: it leaves the process group unusable for another DeepSpeed engine.
 ONE_PROCESS = [["z2:stochastic", "z2:off", "z2:off:policy", "z2:ema", "z2_cb:stochastic", "z2_cb:off", "z3_vllm:stochastic"],
@@ -429,7 +429,8 @@ def _reference_rows(model_dir: str, probe: dict, weights: dict) -> torch.Tensor:
 
 
 POLICY_RUNS = [("one_process", "z2-off-policy", 1), ("one_process", "z3-off-policy", 1),
-               ("two_process", "z2-stochastic-policy", 2), ("two_process", "z3-stochastic-policy", 2)]
+               ("two_process", "z2-stochastic-policy", 2), ("two_process", "z3-stochastic-policy", 2),
+               ("two_process", "z3-stochastic-policy_hooks", 2)]
 
 
 @pytest.mark.parametrize("fixture,tag,world", POLICY_RUNS)
@@ -460,6 +461,15 @@ def test_policy_metrics_equal_a_one_process_reference(request, tiny_model_dir, f
                 want = (expected_served(m, seed=SEED, version=probe["step"], name=n, mode="stochastic")
                         if stochastic else m.to(torch.bfloat16))
                 assert torch.equal(served[n], want), n
+            # the masters came from DeepSpeed's flat fp32 partitions a window at a time (deepspeed/master_windows.py),
+            # not one collective per parameter; at two ranks in several small windows (ds_grpo.py)
+            assert probe["per_parameter_masters"] == 0 and probe["window_loads"] >= 1, probe["window_loads"]
+            if world == 2:
+                assert probe["window_loads"] > 2
+            # ZeRO-3: both views come from the partitions (deepspeed/policy_views.zero3_direct), so the forwards run
+            # without DeepSpeed's module gathers (session 15: one per module and forward, the master pass's wasted);
+            # policy_hooks: the fallback, inside DeepSpeed's hooks (the served view as they gathered it)
+            assert (probe["deepspeed_fetches"] > 0) == tag.endswith("policy_hooks"), probe["deepspeed_fetches"]
             # ZeRO-3: after the probe every partitioned parameter is released again and holds no gathered data
             assert probe["stale"] == [] and (probe["released"] > 0) == tag.startswith("z3"), probe["stale"]
             if probe["step"] > 0:
@@ -476,7 +486,8 @@ def test_policy_probe_leaves_zero3_training_unchanged(one_process, two_process):
     """ZeRO-3: the probe's forwards (weights swapped inside DeepSpeed's gather/release hooks, its prefetch trace
     invalidated afterwards) leave the masters and the served copy of every step bit-identical to a run without it."""
     pairs = [(_load(one_process, "z3-off"), _load(one_process, "z3-off-policy"))]
-    pairs += [(_load(two_process, "z3-stochastic-save", r), _load(two_process, "z3-stochastic-policy", r)) for r in (0, 1)]
+    pairs += [(_load(two_process, "z3-stochastic-save", r), _load(two_process, f"z3-stochastic-{role}", r))
+              for r in (0, 1) for role in ("policy", "policy_hooks")]
     for plain, probed in pairs:
         assert len(probed["policy_logs"]) == STEPS and probed["zero_stage"] == 3
         assert len(plain["steps"]) == len(probed["steps"]) == STEPS + 1

@@ -2,8 +2,8 @@
 
 Policy metrics (``faircast_policy_metrics_every``, ZeRO-0/1/2/3): the two weight views are the cast-site layer's
 (:mod:`faircast_plugins.deepspeed.policy_views`, shared with OpenRLHF): served = the module's bf16 weight widened
-(under ZeRO-3, as DeepSpeed's forward hook gathered it), master = ``safe_get_full_fp32_param`` (a collective per
-parameter, which every rank runs in the same module order), one module at a time.
+(under ZeRO-3, as DeepSpeed's forward hook gathered it), master = the optimizer's fp32 partitions assembled a window of
+parameters at a time (one collective per window, which every rank runs in the same module order).
 
 At train begin the shared DeepSpeed copy-back patch (:func:`faircast_plugins.deepspeed.apply_deepspeed_patch`) is
 attached to the trainer's engine with this caster: it advances the weight version at each optimizer step and writes
@@ -62,7 +62,7 @@ class DeepSpeedBackend(Backend):
     def policy_views(self):
         from ...deepspeed.policy_views import deepspeed_policy_views
 
-        return deepspeed_policy_views()
+        return deepspeed_policy_views(self.trainer.deepspeed)
 
     def policy_scope(self):
         from ...deepspeed.policy_views import probing

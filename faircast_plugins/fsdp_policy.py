@@ -35,7 +35,7 @@ from torch import nn
 
 from .fsdp import _all_gather, _param_groups
 from .patching import FairCastPatchError
-from .policy_lag import swap_hooks, widened
+from .policy_lag import served_weight, swap_hooks, widened
 
 #: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
 OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
@@ -50,8 +50,10 @@ class _View:
     """One copy of the weights as the probe's forward reads it: a per-attribute view, and what FSDP must do around
     the whole forward (FSDP1's full-precision unshard for the master)."""
 
-    def __init__(self, view: Optional[OwnedView], around: Callable = None):
+    def __init__(self, view: Optional[OwnedView], around: Callable = None, from_master: Callable = None):
         self.view, self.around = view, around
+        #: FSDP2's one-gather path: (FSDPParam, its gathered fp32 full master) -> the tensor to compute with
+        self.from_master = from_master
 
     @contextmanager
     def forward(self):
@@ -121,6 +123,146 @@ def full_master(fsdp_param, device: torch.device) -> torch.Tensor:
         sharded = DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False,
                                      shape=sharded.shape, stride=sharded.stride())
     return sharded.full_tensor().detach()
+
+
+def gathered_group(group) -> List[torch.Tensor]:
+    """The fp32 full tensor of every parameter of one FSDP2 parameter group (``group.fsdp_params``, in order), from ONE
+    all-gather over the group's shard process group (every rank calls it for the same groups in the same order).
+
+    FSDP2's own all-gather, in fp32: each rank's padded flat shards (``_sharded_param_data``, dim-0 chunks padded to
+    the first chunk's size) concatenated in the group's parameter order, gathered rank-major into one buffer, then
+    each parameter's ``[world, padded]`` columns laid out as rows (a copy) and cut to its global size. A shard on
+    the host (CPU offload) is gathered on the group's device. Bit-exact copies of the masters; at world size 1 the
+    shards themselves (no copy). Memory: the group's fp32 gathered buffer and its per-parameter copies (twice the
+    unit's fp32 bytes) until it returns."""
+    params = list(group.fsdp_params)
+    device = group.device
+    pg = group.mesh_info.shard_process_group
+    world = torch.distributed.get_world_size(pg)
+    shards = [p._sharded_param_data for p in params]
+    if world == 1:
+        return [s.view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]] if s.device == device else
+                s.to(device).view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]]
+                for p, s in zip(params, shards)]
+    flat = torch.cat([s if s.device == device else s.to(device) for s in shards])
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=device)
+    _all_gather(out, flat, pg)
+    out = out.view(world, flat.numel())
+    fulls, start = [], 0
+    for p, s in zip(params, shards):
+        rows = p.padded_sharded_param_size
+        full = out[:, start:start + s.numel()].reshape(world * rows[0], *rows[1:])
+        fulls.append(full[: p.sharded_param.shape[0]])
+        start += s.numel()
+    return fulls
+
+
+def _one_gather_blocker(states2) -> Optional[str]:
+    """Why FSDP2's one-gather path cannot serve these states (None: it can): it needs lazily initialised states with
+    one module each (not grouped ``fully_shard([a, b])``), fp32 masters sharded plainly on dim 0 over one shard
+    group (FSDP2's padded flat shard), no tensor subclass with its own all-gather, and a served copy that is a pure
+    function of the master (docs/ROUNDING.md: round to nearest, stochastic, sticky; not error feedback or an EMA,
+    whose served copy holds state: those keep the bf16 path, FSDP's own gathered bits)."""
+    from torch.distributed.tensor import Shard
+
+    from .fsdp import _ATTR
+
+    for state in states2:
+        if getattr(state, "_is_root", None) is None:
+            return "a state not yet lazily initialised (no forward ran)"
+        if len(getattr(state, "_modules", ())) != 1:
+            return "grouped fully_shard"
+        for group in _param_groups(state):
+            if getattr(getattr(group, "mesh_info", None), "shard_process_group", None) is None:
+                return "no shard process group"
+            for p in group.fsdp_params:
+                sharded, padded = p.sharded_param, getattr(p, "_sharded_param_data", None)
+                rows = getattr(p, "padded_sharded_param_size", None)
+                if padded is None or rows is None or sharded.dim() == 0 or padded.numel() != math.prod(rows) \
+                        or padded.dtype != torch.float32:
+                    return f"parameter layout of {p._param_fqn if hasattr(p, '_param_fqn') else p}"
+                if not all(pl.is_replicate() or (isinstance(pl, Shard) and pl.dim == 0) for pl in sharded.placements):
+                    return "placements other than Shard(0)"
+                if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
+                    return "a tensor subclass with its own all-gather"
+                spec = getattr(p, _ATTR, None)
+                if spec is not None and (spec.caster.mode not in ("nearest", "stochastic", "sticky")
+                                         or spec.caster.ema_on):
+                    return f"mode {spec.caster.mode}{' with an EMA' if spec.caster.ema_on else ''}"
+    return None
+
+
+def served_of(fsdp_param, full: torch.Tensor) -> Optional[torch.Tensor]:
+    """The served copy of one FSDP2 parameter, widened to fp32, cast from its gathered fp32 master exactly as FSDP's
+    (patched) all-gather casts its shards (docs/ROUNDING.md: a pure function of master, key and global index, so the
+    full tensor's cast equals the gathered shard casts): a registered parameter with a bf16 all-gather, Fair Cast of
+    its caster (keyed by name and weight version, the key FSDP's cast uses); any other, round to nearest to FSDP's
+    ``param_dtype`` (FSDP's stock cast); None (the master itself) without a low-precision ``param_dtype``."""
+    from .fsdp import _ATTR
+
+    dtype = getattr(fsdp_param, "param_dtype", None)
+    if dtype is None or dtype == full.dtype:
+        return None
+    spec = getattr(fsdp_param, _ATTR, None)
+    if spec is not None and spec.numel is not None and dtype == torch.bfloat16:
+        caster = spec.caster
+        return served_weight(full, enabled=True, mode=caster.mode, key=spec.keys.get(caster, spec.name),
+                             backend=caster.config.backend)
+    return full.to(dtype).float()
+
+
+def _as_master(fsdp_param, full: torch.Tensor) -> torch.Tensor:
+    return full
+
+
+@contextmanager
+def _fsdp2_hooks_off(modules2, states2):
+    """FSDP2's forward hooks (its unshard, reshard and root setup) taken off every FSDP2 module for the probe's
+    forwards, and put back in their places after: the probe gathers the weights itself (:func:`gathered_group`)."""
+    saved = []
+    try:
+        for module, state in zip(modules2, states2):
+            ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(module, attr)
+                saved.append((hooks, list(hooks.items())))
+                for i in ids:
+                    hooks.pop(i, None)
+        yield
+    finally:
+        for hooks, items in reversed(saved):
+            hooks.clear()
+            hooks.update(items)
+
+
+@contextmanager
+def _gathered_swapped(modules2, states2, view: "_View"):
+    """Forwards inside read ``view.from_master(fsdp_param, full fp32 master)`` for every FSDP2 parameter, with FSDP's
+    own gathers off: at each FSDP2 module's forward, each of its parameter groups is gathered in fp32 in one
+    collective and every place its parameters are registered (tied: each) holds the view until that module's forward
+    ends (the root's for the whole forward, as FSDP keeps it); the registered Parameter objects are put back after."""
+    groups = {id(m): _param_groups(s) for m, s in zip(modules2, states2)}
+
+    def swap_in(module, args, kwargs):
+        swapped = []
+        for group in groups[id(module)]:
+            for fsdp_param, full in zip(group.fsdp_params, gathered_group(group)):
+                other = view.from_master(fsdp_param, full)
+                if other is None:
+                    other = full
+                info = fsdp_param._module_info
+                for owner, name in [(info.module, info.param_name)] + list(zip(info.shared_modules,
+                                                                                info.shared_param_names)):
+                    swapped.append((owner, name, owner._parameters[name]))
+                    owner._parameters[name] = other
+        return swapped, args, kwargs
+
+    def put_back(swapped):
+        for owner, name, p in reversed(swapped):
+            owner._parameters[name] = p
+
+    with _fsdp2_hooks_off(modules2, states2), swap_hooks(modules2, swap_in, put_back):
+        yield
 
 
 @contextmanager
@@ -235,9 +377,12 @@ class FSDPPolicyViews:
         for key, (module, names) in _fsdp1_slots(self.units1).items():
             have = self.slots.setdefault(key, (module, []))[1]
             have.extend(n for n in names if n not in have)
-        self.served = _View(_widened)
+        self.served = _View(_widened, from_master=served_of)
         self.master = _View(self._fsdp2_master if self.owners else None,
-                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None)
+                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None, _as_master)
+        #: None: FSDP2's one-gather path (one fp32 all-gather per parameter group and forward, the served copy cast
+        #: from it); else why the views are taken where FSDP gathers (FSDP1, error feedback, ...)
+        self.bf16_path_reason = "FSDP1 units" if self.units1 else _one_gather_blocker(self.states2)
 
     def _fsdp2_master(self, module: nn.Module, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
         fsdp_param = self.owners.get((id(module), name))
@@ -250,14 +395,18 @@ class FSDPPolicyViews:
 
     def swapped(self, model: nn.Module, view: _View):
         """The ``swap`` argument of :meth:`PolicyLagProbe.measure`."""
+        if self.bf16_path_reason is None:
+            return _gathered_swapped(self.modules2, self.states2, view)
         return owned_swapped(self.slots, view)
 
     @contextmanager
     def scope(self) -> Iterator["FSDPPolicyViews"]:
-        """Around a measurement: every unit resharded first (a root FSDP left unsharded by an earlier forward gathers
-        the current shards again), FSDP's low-precision casts of forward inputs off, FSDP1 units resharded after."""
-        for module in self.modules2:  # a root left unsharded by an earlier forward gathers the current shards again
-            module.reshard()
+        """Around a measurement: on FSDP's bf16 path every unit resharded first (a root FSDP left unsharded by an
+        earlier forward gathers the current shards again), FSDP's low-precision casts of forward inputs off, FSDP1
+        units resharded after. FSDP2's one-gather path reads the shards only and leaves FSDP's state as it is."""
+        if self.bf16_path_reason is not None:
+            for module in self.modules2:  # a root left unsharded by an earlier forward gathers the current shards
+                module.reshard()
         if self.units1:
             _reshard_fsdp1(self.units1)
         try:
@@ -268,4 +417,4 @@ class FSDPPolicyViews:
                 _reshard_fsdp1(self.units1)
 
 
-__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "owned_swapped"]
+__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "gathered_group", "owned_swapped", "served_of"]

@@ -122,6 +122,25 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap_generator(arm.backend, "export", "hook: export")
     if arm.backend.config.measures_policy:
         timers.wrap(arm, "measure", "hook: policy probe")
+        probe_timers(timers)
+
+
+def probe_timers(timers: harness.Timers) -> None:
+    """Where the probe's time goes: its forwards (gathers, casts and hooks inside), the per-token stats, and inside
+    the forwards the fp32 master gathers, the served widening and FSDP's own all-gathers (these last in the training
+    step's forward and backward too)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from faircast_plugins import fsdp_policy, policy_lag
+
+    timers.wrap(policy_lag, "_completion_logits", "probe: forwards (all below inside)")
+    timers.wrap(policy_lag, "sequence_stats", "probe: sequence_stats")
+    for name, label in (("full_master", "probe: fp32 master gather"), ("_widened", "probe: served widening"),
+                        ("gathered_group", "probe: fp32 group gather"), ("served_of", "probe: served cast")):
+        if hasattr(fsdp_policy, name):
+            timers.wrap(fsdp_policy, name, label)
+    timers.wrap(_fsdp_param_group, "foreach_all_gather", "FSDP bf16 all-gather (step and probe)")
+    timers.wrap(_fsdp_param_group, "foreach_all_gather_copy_out", "FSDP bf16 all-gather (step and probe)")
 
 
 def main() -> int:

@@ -8,8 +8,12 @@ FSDP2 (``fully_shard``)
     during a module's forward its registered parameter is the unsharded bf16 tensor FSDP's all-gather built from the
     bf16 cast of every rank's shard: the served copy (Fair Cast's bits through :mod:`faircast_plugins.fsdp`'s patched
     cast, or round to nearest with Fair Cast off, what the standard export serves). Served view: that tensor widened
-    to fp32 (exact). Master view: the fp32 full tensor of the parameter's sharded DTensor (``full_tensor()``: one
-    all-gather per parameter, in forward order, the same on every rank).
+    to fp32 (exact), in FSDP's own forward. Master view: a second forward with FSDP's forward hooks off (FSDP's bf16
+    all-gather would be wasted there): at each FSDP2 module's forward, its parameter groups' padded fp32 shards are
+    gathered in ONE all-gather per group (:func:`gathered_group`, FSDP2's own layout in fp32) and its parameters read
+    those full masters until the module's forward ends. Where that layout does not hold (grouped ``fully_shard``,
+    other placements, a tensor subclass with its own all-gather) the master is gathered one parameter at a time
+    (:func:`full_master`) inside FSDP's forward, as before.
 FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True or False)
     served view: the unit's bf16 unsharded views (the patched low-precision shard, or round to nearest) widened to
     fp32 around each module's forward; master view: FSDP1's own full-precision eval unshard (what
@@ -20,7 +24,11 @@ Both forwards run in fp32: inside :func:`policy_scope` FSDP's casts of forward i
 the probe turns autocast off. Nothing is written to a parameter or a shard; every swapped attribute is put back after
 its module's forward, and FSDP1 handles the scope unsharded are resharded (freed) when it exits.
 
-Memory: FSDP2, one parameter's fp32 full tensor beside FSDP's unsharded layer; FSDP1, one unit's fp32 unsharded flat
+Cost per measurement (FSDP2, world W): the served forward is a plain FSDP forward (bf16 all-gather per unit), the
+master forward one fp32 all-gather per unit and no bf16 one: 2 collectives per unit instead of 2 plus one per
+parameter, 6 bytes gathered per parameter instead of 8 (benchmarks/step/results/fsdp2_policy_onegather*.log).
+
+Memory: FSDP2, one unit's fp32 full masters (twice while its gathered buffer is laid out) beside the root's; FSDP1, one unit's fp32 unsharded flat
 parameter instead of its bf16 one (twice its bytes) during the master forward.
 """
 from __future__ import annotations
@@ -35,7 +43,7 @@ from torch import nn
 
 from .fsdp import _all_gather, _param_groups
 from .patching import FairCastPatchError
-from .policy_lag import served_weight, swap_hooks, widened
+from .policy_lag import swap_hooks, widened
 
 #: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
 OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
@@ -52,7 +60,7 @@ class _View:
 
     def __init__(self, view: Optional[OwnedView], around: Callable = None, from_master: Callable = None):
         self.view, self.around = view, around
-        #: FSDP2's one-gather path: (FSDPParam, its gathered fp32 full master) -> the tensor to compute with
+        #: FSDP2's master forward: (FSDPParam, its gathered fp32 full master) -> the tensor to compute with
         self.from_master = from_master
 
     @contextmanager
@@ -160,12 +168,10 @@ def gathered_group(group) -> List[torch.Tensor]:
 def _one_gather_blocker(states2) -> Optional[str]:
     """Why FSDP2's one-gather path cannot serve these states (None: it can): it needs lazily initialised states with
     one module each (not grouped ``fully_shard([a, b])``), fp32 masters sharded plainly on dim 0 over one shard
-    group (FSDP2's padded flat shard), no tensor subclass with its own all-gather, and a served copy that is a pure
-    function of the master (docs/ROUNDING.md: round to nearest, stochastic, sticky; not error feedback or an EMA,
-    whose served copy holds state: those keep the bf16 path, FSDP's own gathered bits)."""
+    group (FSDP2's padded flat shard), and no tensor subclass with its own all-gather. Anything else gathers each
+    parameter alone (:func:`full_master`), as before. Only the master's gather changes: the served copy is FSDP's own
+    gathered bits in every mode (error feedback and an EMA included)."""
     from torch.distributed.tensor import Shard
-
-    from .fsdp import _ATTR
 
     for state in states2:
         if getattr(state, "_is_root", None) is None:
@@ -185,30 +191,7 @@ def _one_gather_blocker(states2) -> Optional[str]:
                     return "placements other than Shard(0)"
                 if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
                     return "a tensor subclass with its own all-gather"
-                spec = getattr(p, _ATTR, None)
-                if spec is not None and (spec.caster.mode not in ("nearest", "stochastic", "sticky")
-                                         or spec.caster.ema_on):
-                    return f"mode {spec.caster.mode}{' with an EMA' if spec.caster.ema_on else ''}"
     return None
-
-
-def served_of(fsdp_param, full: torch.Tensor) -> Optional[torch.Tensor]:
-    """The served copy of one FSDP2 parameter, widened to fp32, cast from its gathered fp32 master exactly as FSDP's
-    (patched) all-gather casts its shards (docs/ROUNDING.md: a pure function of master, key and global index, so the
-    full tensor's cast equals the gathered shard casts): a registered parameter with a bf16 all-gather, Fair Cast of
-    its caster (keyed by name and weight version, the key FSDP's cast uses); any other, round to nearest to FSDP's
-    ``param_dtype`` (FSDP's stock cast); None (the master itself) without a low-precision ``param_dtype``."""
-    from .fsdp import _ATTR
-
-    dtype = getattr(fsdp_param, "param_dtype", None)
-    if dtype is None or dtype == full.dtype:
-        return None
-    spec = getattr(fsdp_param, _ATTR, None)
-    if spec is not None and spec.numel is not None and dtype == torch.bfloat16:
-        caster = spec.caster
-        return served_weight(full, enabled=True, mode=caster.mode, key=spec.keys.get(caster, spec.name),
-                             backend=caster.config.backend)
-    return full.to(dtype).float()
 
 
 def _as_master(fsdp_param, full: torch.Tensor) -> torch.Tensor:
@@ -238,9 +221,10 @@ def _fsdp2_hooks_off(modules2, states2):
 @contextmanager
 def _gathered_swapped(modules2, states2, view: "_View"):
     """Forwards inside read ``view.from_master(fsdp_param, full fp32 master)`` for every FSDP2 parameter, with FSDP's
-    own gathers off: at each FSDP2 module's forward, each of its parameter groups is gathered in fp32 in one
-    collective and every place its parameters are registered (tied: each) holds the view until that module's forward
-    ends (the root's for the whole forward, as FSDP keeps it); the registered Parameter objects are put back after."""
+    own hooks off (no bf16 all-gather, no cast, no reshard, FSDP's state untouched): at each FSDP2 module's forward
+    each of its parameter groups is gathered in fp32 in one collective (:func:`gathered_group`), and every place its
+    parameters are registered (tied: each) holds the view until that module's forward ends (the root's for the whole
+    forward, as FSDP keeps it); the registered tensors (sharded or FSDP's unsharded ones) are put back after."""
     groups = {id(m): _param_groups(s) for m, s in zip(modules2, states2)}
 
     def swap_in(module, args, kwargs):
@@ -356,6 +340,7 @@ class FSDPPolicyViews:
     Use inside :meth:`scope`: ``probe.measure(root, ..., served=views.served, master=views.master,
     swap=views.swapped)``."""
 
+
     def __init__(self, root: nn.Module):
         self.root = root
         from torch.distributed.fsdp import FSDPModule
@@ -377,12 +362,11 @@ class FSDPPolicyViews:
         for key, (module, names) in _fsdp1_slots(self.units1).items():
             have = self.slots.setdefault(key, (module, []))[1]
             have.extend(n for n in names if n not in have)
-        self.served = _View(_widened, from_master=served_of)
+        self.served = _View(_widened)
         self.master = _View(self._fsdp2_master if self.owners else None,
                             (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None, _as_master)
-        #: None: FSDP2's one-gather path (one fp32 all-gather per parameter group and forward, the served copy cast
-        #: from it); else why the views are taken where FSDP gathers (FSDP1, error feedback, ...)
-        self.bf16_path_reason = "FSDP1 units" if self.units1 else _one_gather_blocker(self.states2)
+        #: why the last master forward gathered each FSDP2 parameter alone (None: one fp32 all-gather per group)
+        self.per_param_reason: Optional[str] = None
 
     def _fsdp2_master(self, module: nn.Module, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
         fsdp_param = self.owners.get((id(module), name))
@@ -395,18 +379,18 @@ class FSDPPolicyViews:
 
     def swapped(self, model: nn.Module, view: _View):
         """The ``swap`` argument of :meth:`PolicyLagProbe.measure`."""
-        if self.bf16_path_reason is None:
-            return _gathered_swapped(self.modules2, self.states2, view)
+        if view.from_master is not None and not self.units1:
+            self.per_param_reason = _one_gather_blocker(self.states2)  # after the served forward's lazy init
+            if self.per_param_reason is None:
+                return _gathered_swapped(self.modules2, self.states2, view)
         return owned_swapped(self.slots, view)
 
     @contextmanager
     def scope(self) -> Iterator["FSDPPolicyViews"]:
-        """Around a measurement: on FSDP's bf16 path every unit resharded first (a root FSDP left unsharded by an
-        earlier forward gathers the current shards again), FSDP's low-precision casts of forward inputs off, FSDP1
-        units resharded after. FSDP2's one-gather path reads the shards only and leaves FSDP's state as it is."""
-        if self.bf16_path_reason is not None:
-            for module in self.modules2:  # a root left unsharded by an earlier forward gathers the current shards
-                module.reshard()
+        """Around a measurement: every unit resharded first (a root FSDP left unsharded by an earlier forward gathers
+        the current shards again), FSDP's low-precision casts of forward inputs off, FSDP1 units resharded after."""
+        for module in self.modules2:  # a root left unsharded by an earlier forward gathers the current shards again
+            module.reshard()
         if self.units1:
             _reshard_fsdp1(self.units1)
         try:
@@ -417,4 +401,4 @@ class FSDPPolicyViews:
                 _reshard_fsdp1(self.units1)
 
 
-__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "gathered_group", "owned_swapped", "served_of"]
+__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "gathered_group", "owned_swapped"]

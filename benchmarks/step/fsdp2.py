@@ -136,7 +136,7 @@ def probe_timers(timers: harness.Timers) -> None:
     timers.wrap(policy_lag, "_completion_logits", "probe: forwards (all below inside)")
     timers.wrap(policy_lag, "sequence_stats", "probe: sequence_stats")
     for name, label in (("full_master", "probe: fp32 master gather"), ("_widened", "probe: served widening"),
-                        ("gathered_group", "probe: fp32 group gather"), ("served_of", "probe: served cast")):
+                        ("gathered_group", "probe: fp32 group gather")):
         if hasattr(fsdp_policy, name):
             timers.wrap(fsdp_policy, name, label)
     timers.wrap(_fsdp_param_group, "foreach_all_gather", "FSDP bf16 all-gather (step and probe)")

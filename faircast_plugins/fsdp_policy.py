@@ -24,12 +24,13 @@ Both forwards run in fp32: inside :func:`policy_scope` FSDP's casts of forward i
 the probe turns autocast off. Nothing is written to a parameter or a shard; every swapped attribute is put back after
 its module's forward, and FSDP1 handles the scope unsharded are resharded (freed) when it exits.
 
-Cost per measurement (FSDP2, world W): the served forward is a plain FSDP forward (bf16 all-gather per unit), the
-master forward one fp32 all-gather per unit and no bf16 one: 2 collectives per unit instead of 2 plus one per
-parameter, 6 bytes gathered per parameter instead of 8 (benchmarks/step/results/fsdp2_policy_onegather*.log).
+Cost per measurement (FSDP2): the served forward is a plain FSDP forward (one bf16 all-gather per unit), the master
+forward one fp32 all-gather per unit and no bf16 one: 2 collectives per unit instead of 2 plus one per parameter, 6
+bytes gathered per parameter instead of 8 (benchmarks/step/results/fsdp2_policy_onegather.log).
 
-Memory: FSDP2, one unit's fp32 full masters (twice while its gathered buffer is laid out) beside the root's; FSDP1, one unit's fp32 unsharded flat
-parameter instead of its bf16 one (twice its bytes) during the master forward.
+Memory: FSDP2, one unit's fp32 full masters (twice while its gathered buffer is laid out) beside the root's (FSDP's
+served forward: its bf16 unsharded unit, as in training); FSDP1, one unit's fp32 unsharded flat parameter instead of
+its bf16 one (twice its bytes) during the master forward.
 """
 from __future__ import annotations
 

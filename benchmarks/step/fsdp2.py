@@ -13,7 +13,7 @@ vLLM (each parameter gathered in fp32 with ``full_tensor()``, through the backen
 first K sequences of each rank's batch at every step, rows gathered over the ranks, before the loss as TRL's
 ``compute_loss`` runs it. (probe arm / its base arm - 1) / N is what it costs a step at ``every: N``.
 
-``--per-parameter-arm`` (with ``--policy-seqs``) adds "stochastic + policy probe, per-parameter master": the session-15
+``--per-parameter-arm`` (with ``--policy-seqs``) adds "stochastic + policy probe (per-parameter master)": the session-15
 master path (benchmarks/step/fsdp_policy_arms.py), timed in the same run as today's.
 
     python benchmarks/step/fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K [--per-parameter-arm]]

@@ -1,6 +1,6 @@
 """The session-15 FSDP2 probe path as an arm beside today's, for benchmarks/step/fsdp2.py and verl_fsdp2.py.
 
-``stochastic + policy probe, per-parameter master``: the same probe with the master forward run as session 15 ran it
+``stochastic + policy probe (per-parameter master)``: the same probe with the master forward run as session 15 ran it
 (FSDP's own forward, its bf16 all-gather and cast included, and each parameter's fp32 master gathered alone by
 :func:`faircast_plugins.fsdp_policy.full_master`), so before and after are timed in one run, paired per repetition.
 """
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import harness
 from trl_plain import PROBE
 
-OLD_PROBE = PROBE + ", per-parameter master"
+OLD_PROBE = PROBE + " (per-parameter master)"
 OLD_ARM = ("stochastic" + OLD_PROBE, "stochastic", False)
 
 

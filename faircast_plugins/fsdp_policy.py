@@ -59,10 +59,9 @@ class _View:
     """One copy of the weights as the probe's forward reads it: a per-attribute view, and what FSDP must do around
     the whole forward (FSDP1's full-precision unshard for the master)."""
 
-    def __init__(self, view: Optional[OwnedView], around: Callable = None, from_master: Callable = None):
+    def __init__(self, view: Optional[OwnedView], around: Callable = None, is_master: bool = False):
         self.view, self.around = view, around
-        #: FSDP2's master forward: (FSDPParam, its gathered fp32 full master) -> the tensor to compute with
-        self.from_master = from_master
+        self.is_master = is_master  # FSDP2: may read the masters of one all-gather per group (_gathered_masters)
 
     @contextmanager
     def forward(self):
@@ -195,10 +194,6 @@ def _one_gather_blocker(states2) -> Optional[str]:
     return None
 
 
-def _as_master(fsdp_param, full: torch.Tensor) -> torch.Tensor:
-    return full
-
-
 @contextmanager
 def _fsdp2_hooks_off(modules2, states2):
     """FSDP2's forward hooks (its unshard, reshard and root setup) taken off every FSDP2 module for the probe's
@@ -220,9 +215,8 @@ def _fsdp2_hooks_off(modules2, states2):
 
 
 @contextmanager
-def _gathered_swapped(modules2, states2, view: "_View"):
-    """Forwards inside read ``view.from_master(fsdp_param, full fp32 master)`` for every FSDP2 parameter, with FSDP's
-    own hooks off (no bf16 all-gather, no cast, no reshard, FSDP's state untouched): at each FSDP2 module's forward
+def _gathered_masters(modules2, states2):
+    """Forwards inside read the full fp32 master of every FSDP2 parameter, with FSDP's own hooks off (no bf16 all-gather, no cast, no reshard, FSDP's state untouched): at each FSDP2 module's forward
     each of its parameter groups is gathered in fp32 in one collective (:func:`gathered_group`), and every place its
     parameters are registered (tied: each) holds the view until that module's forward ends (the root's for the whole
     forward, as FSDP keeps it); the registered tensors (sharded or FSDP's unsharded ones) are put back after."""
@@ -232,14 +226,11 @@ def _gathered_swapped(modules2, states2, view: "_View"):
         swapped = []
         for group in groups[id(module)]:
             for fsdp_param, full in zip(group.fsdp_params, gathered_group(group)):
-                other = view.from_master(fsdp_param, full)
-                if other is None:
-                    other = full
                 info = fsdp_param._module_info
                 for owner, name in [(info.module, info.param_name)] + list(zip(info.shared_modules,
                                                                                 info.shared_param_names)):
                     swapped.append((owner, name, owner._parameters[name]))
-                    owner._parameters[name] = other
+                    owner._parameters[name] = full
         return swapped, args, kwargs
 
     def put_back(swapped):
@@ -341,7 +332,6 @@ class FSDPPolicyViews:
     Use inside :meth:`scope`: ``probe.measure(root, ..., served=views.served, master=views.master,
     swap=views.swapped)``."""
 
-
     def __init__(self, root: nn.Module):
         self.root = root
         from torch.distributed.fsdp import FSDPModule
@@ -365,7 +355,7 @@ class FSDPPolicyViews:
             have.extend(n for n in names if n not in have)
         self.served = _View(_widened)
         self.master = _View(self._fsdp2_master if self.owners else None,
-                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None, _as_master)
+                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None, is_master=True)
         #: why the last master forward gathered each FSDP2 parameter alone (None: one fp32 all-gather per group)
         self.per_param_reason: Optional[str] = None
 
@@ -380,10 +370,10 @@ class FSDPPolicyViews:
 
     def swapped(self, model: nn.Module, view: _View):
         """The ``swap`` argument of :meth:`PolicyLagProbe.measure`."""
-        if view.from_master is not None and not self.units1:
+        if view.is_master and self.states2 and not self.units1:
             self.per_param_reason = _one_gather_blocker(self.states2)  # after the served forward's lazy init
             if self.per_param_reason is None:
-                return _gathered_swapped(self.modules2, self.states2, view)
+                return _gathered_masters(self.modules2, self.states2)
         return owned_swapped(self.slots, view)
 
     @contextmanager

@@ -8,8 +8,12 @@ FSDP2 (``fully_shard``)
     during a module's forward its registered parameter is the unsharded bf16 tensor FSDP's all-gather built from the
     bf16 cast of every rank's shard: the served copy (Fair Cast's bits through :mod:`faircast_plugins.fsdp`'s patched
     cast, or round to nearest with Fair Cast off, what the standard export serves). Served view: that tensor widened
-    to fp32 (exact). Master view: the fp32 full tensor of the parameter's sharded DTensor (``full_tensor()``: one
-    all-gather per parameter, in forward order, the same on every rank).
+    to fp32 (exact), in FSDP's own forward. Master view: a second forward with FSDP's forward hooks off (FSDP's bf16
+    all-gather would be wasted there): at each FSDP2 module's forward, its parameter groups' padded fp32 shards are
+    gathered in ONE all-gather per group (:func:`gathered_group`, FSDP2's own layout in fp32) and its parameters read
+    those full masters until the module's forward ends. Where that layout does not hold (grouped ``fully_shard``,
+    other placements, a tensor subclass with its own all-gather) the master is gathered one parameter at a time
+    (:func:`full_master`) inside FSDP's forward, as before.
 FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True or False)
     served view: the unit's bf16 unsharded views (the patched low-precision shard, or round to nearest) widened to
     fp32 around each module's forward; master view: FSDP1's own full-precision eval unshard (what
@@ -20,8 +24,13 @@ Both forwards run in fp32: inside :func:`policy_scope` FSDP's casts of forward i
 the probe turns autocast off. Nothing is written to a parameter or a shard; every swapped attribute is put back after
 its module's forward, and FSDP1 handles the scope unsharded are resharded (freed) when it exits.
 
-Memory: FSDP2, one parameter's fp32 full tensor beside FSDP's unsharded layer; FSDP1, one unit's fp32 unsharded flat
-parameter instead of its bf16 one (twice its bytes) during the master forward.
+Cost per measurement (FSDP2): the served forward is a plain FSDP forward (one bf16 all-gather per unit), the master
+forward one fp32 all-gather per unit and no bf16 one: 2 collectives per unit instead of 2 plus one per parameter, 6
+bytes gathered per parameter instead of 8 (benchmarks/step/results/fsdp2_policy_onegather.log).
+
+Memory: FSDP2, one unit's fp32 full masters (twice while its gathered buffer is laid out) beside the root's (FSDP's
+served forward: its bf16 unsharded unit, as in training); FSDP1, one unit's fp32 unsharded flat parameter instead of
+its bf16 one (twice its bytes) during the master forward.
 """
 from __future__ import annotations
 
@@ -50,8 +59,9 @@ class _View:
     """One copy of the weights as the probe's forward reads it: a per-attribute view, and what FSDP must do around
     the whole forward (FSDP1's full-precision unshard for the master)."""
 
-    def __init__(self, view: Optional[OwnedView], around: Callable = None):
+    def __init__(self, view: Optional[OwnedView], around: Callable = None, is_master: bool = False):
         self.view, self.around = view, around
+        self.is_master = is_master  # FSDP2: may read the masters of one all-gather per group (_gathered_masters)
 
     @contextmanager
     def forward(self):
@@ -121,6 +131,114 @@ def full_master(fsdp_param, device: torch.device) -> torch.Tensor:
         sharded = DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False,
                                      shape=sharded.shape, stride=sharded.stride())
     return sharded.full_tensor().detach()
+
+
+def gathered_group(group) -> List[torch.Tensor]:
+    """The fp32 full tensor of every parameter of one FSDP2 parameter group (``group.fsdp_params``, in order), from ONE
+    all-gather over the group's shard process group (every rank calls it for the same groups in the same order).
+
+    FSDP2's own all-gather, in fp32: each rank's padded flat shards (``_sharded_param_data``, dim-0 chunks padded to
+    the first chunk's size) concatenated in the group's parameter order, gathered rank-major into one buffer, then
+    each parameter's ``[world, padded]`` columns laid out as rows (a copy) and cut to its global size. A shard on
+    the host (CPU offload) is gathered on the group's device. Bit-exact copies of the masters; at world size 1 the
+    shards themselves (no copy). Memory: the group's fp32 gathered buffer and its per-parameter copies (twice the
+    unit's fp32 bytes) until it returns."""
+    params = list(group.fsdp_params)
+    device = group.device
+    pg = group.mesh_info.shard_process_group
+    world = torch.distributed.get_world_size(pg)
+    shards = [p._sharded_param_data for p in params]
+    if world == 1:
+        return [s.view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]] if s.device == device else
+                s.to(device).view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]]
+                for p, s in zip(params, shards)]
+    flat = torch.cat([s if s.device == device else s.to(device) for s in shards])
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=device)
+    _all_gather(out, flat, pg)
+    out = out.view(world, flat.numel())
+    fulls, start = [], 0
+    for p, s in zip(params, shards):
+        rows = p.padded_sharded_param_size
+        full = out[:, start:start + s.numel()].reshape(world * rows[0], *rows[1:])
+        fulls.append(full[: p.sharded_param.shape[0]])
+        start += s.numel()
+    return fulls
+
+
+def _one_gather_blocker(states2) -> Optional[str]:
+    """Why FSDP2's one-gather path cannot serve these states (None: it can): it needs lazily initialised states with
+    one module each (not grouped ``fully_shard([a, b])``), fp32 masters sharded plainly on dim 0 over one shard
+    group (FSDP2's padded flat shard), and no tensor subclass with its own all-gather. Anything else gathers each
+    parameter alone (:func:`full_master`), as before. Only the master's gather changes: the served copy is FSDP's own
+    gathered bits in every mode (error feedback and an EMA included)."""
+    from torch.distributed.tensor import Shard
+
+    for state in states2:
+        if getattr(state, "_is_root", None) is None:
+            return "a state not yet lazily initialised (no forward ran)"
+        if len(getattr(state, "_modules", ())) != 1:
+            return "grouped fully_shard"
+        for group in _param_groups(state):
+            if getattr(getattr(group, "mesh_info", None), "shard_process_group", None) is None:
+                return "no shard process group"
+            for p in group.fsdp_params:
+                sharded, padded = p.sharded_param, getattr(p, "_sharded_param_data", None)
+                rows = getattr(p, "padded_sharded_param_size", None)
+                if padded is None or rows is None or sharded.dim() == 0 or padded.numel() != math.prod(rows) \
+                        or padded.dtype != torch.float32:
+                    return f"parameter layout of {p._param_fqn if hasattr(p, '_param_fqn') else p}"
+                if not all(pl.is_replicate() or (isinstance(pl, Shard) and pl.dim == 0) for pl in sharded.placements):
+                    return "placements other than Shard(0)"
+                if hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"):
+                    return "a tensor subclass with its own all-gather"
+    return None
+
+
+@contextmanager
+def _fsdp2_hooks_off(modules2, states2):
+    """FSDP2's forward hooks (its unshard, reshard and root setup) taken off every FSDP2 module for the probe's
+    forwards, and put back in their places after: the probe gathers the weights itself (:func:`gathered_group`)."""
+    saved = []
+    try:
+        for module, state in zip(modules2, states2):
+            ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(module, attr)
+                saved.append((hooks, list(hooks.items())))
+                for i in ids:
+                    hooks.pop(i, None)
+        yield
+    finally:
+        for hooks, items in reversed(saved):
+            hooks.clear()
+            hooks.update(items)
+
+
+@contextmanager
+def _gathered_masters(modules2, states2):
+    """Forwards inside read the full fp32 master of every FSDP2 parameter, with FSDP's own hooks off (no bf16 all-gather, no cast, no reshard, FSDP's state untouched): at each FSDP2 module's forward
+    each of its parameter groups is gathered in fp32 in one collective (:func:`gathered_group`), and every place its
+    parameters are registered (tied: each) holds the view until that module's forward ends (the root's for the whole
+    forward, as FSDP keeps it); the registered tensors (sharded or FSDP's unsharded ones) are put back after."""
+    groups = {id(m): _param_groups(s) for m, s in zip(modules2, states2)}
+
+    def swap_in(module, args, kwargs):
+        swapped = []
+        for group in groups[id(module)]:
+            for fsdp_param, full in zip(group.fsdp_params, gathered_group(group)):
+                info = fsdp_param._module_info
+                for owner, name in [(info.module, info.param_name)] + list(zip(info.shared_modules,
+                                                                                info.shared_param_names)):
+                    swapped.append((owner, name, owner._parameters[name]))
+                    owner._parameters[name] = full
+        return swapped, args, kwargs
+
+    def put_back(swapped):
+        for owner, name, p in reversed(swapped):
+            owner._parameters[name] = p
+
+    with _fsdp2_hooks_off(modules2, states2), swap_hooks(modules2, swap_in, put_back):
+        yield
 
 
 @contextmanager
@@ -237,7 +355,9 @@ class FSDPPolicyViews:
             have.extend(n for n in names if n not in have)
         self.served = _View(_widened)
         self.master = _View(self._fsdp2_master if self.owners else None,
-                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None)
+                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None, is_master=True)
+        #: why the last master forward gathered each FSDP2 parameter alone (None: one fp32 all-gather per group)
+        self.per_param_reason: Optional[str] = None
 
     def _fsdp2_master(self, module: nn.Module, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
         fsdp_param = self.owners.get((id(module), name))
@@ -250,6 +370,10 @@ class FSDPPolicyViews:
 
     def swapped(self, model: nn.Module, view: _View):
         """The ``swap`` argument of :meth:`PolicyLagProbe.measure`."""
+        if view.is_master and self.states2 and not self.units1:
+            self.per_param_reason = _one_gather_blocker(self.states2)  # after the served forward's lazy init
+            if self.per_param_reason is None:
+                return _gathered_masters(self.modules2, self.states2)
         return owned_swapped(self.slots, view)
 
     @contextmanager
@@ -268,4 +392,4 @@ class FSDPPolicyViews:
                 _reshard_fsdp1(self.units1)
 
 
-__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "owned_swapped"]
+__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "gathered_group", "owned_swapped"]

@@ -13,7 +13,10 @@ vLLM (each parameter gathered in fp32 with ``full_tensor()``, through the backen
 first K sequences of each rank's batch at every step, rows gathered over the ranks, before the loss as TRL's
 ``compute_loss`` runs it. (probe arm / its base arm - 1) / N is what it costs a step at ``every: N``.
 
-    python benchmarks/step/fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K]
+``--per-parameter-arm`` (with ``--policy-seqs``) adds "stochastic + policy probe (per-parameter master)": the session-15
+master path (benchmarks/step/fsdp_policy_arms.py), timed in the same run as today's.
+
+    python benchmarks/step/fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K [--per-parameter-arm]]
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from fsdp_policy_arms import OLD_ARM, old_path_step, old_path_summary, probe_timers  # noqa: E402
 from trl_plain import PROBE, policy_summary  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,7 +59,7 @@ def make_arm_factory(size: harness.Size, kernel: str, policy_seqs: int = 0):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         backend = None
-        probe = PolicyLagProbe(1, max(1, policy_seqs)) if label.endswith(PROBE) else None
+        probe = PolicyLagProbe(1, max(1, policy_seqs)) if PROBE in label else None
         prompt = max(1, size.seq // 4)
         if mode is not None or audit or probe is not None:
             config = FairCastConfig(enabled=mode is not None, mode=mode or "stochastic", audit=audit, seed=1234,
@@ -104,7 +108,8 @@ def make_arm_factory(size: harness.Size, kernel: str, policy_seqs: int = 0):
             # model_storages counts each DTensor parameter's local shard (its storage)
             return harness.fair_cast_bytes({"backend": backend}, harness.model_storages(model, optimizer))
 
-        arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
+        arm = harness.Arm(label, mode, audit, step=old_path_step(step) if label == OLD_ARM[0] else step,
+                          state_bytes=state_bytes, params=params)
         arm.backend = backend
         arm.measure = measure
         return arm
@@ -122,6 +127,7 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     timers.wrap_generator(arm.backend, "export", "hook: export")
     if arm.backend.config.measures_policy:
         timers.wrap(arm, "measure", "hook: policy probe")
+        probe_timers(timers)
 
 
 def main() -> int:
@@ -131,6 +137,9 @@ def main() -> int:
     parser.add_argument("--policy-seqs", type=int, default=0,
                         help="also time the faircast/policy_* probe on this many sequences per rank and step (arms "
                              "'flag off + policy probe', 'stochastic + policy probe')")
+    parser.add_argument("--per-parameter-arm", action="store_true",
+                        help=f"with --policy-seqs, also the arm '{OLD_ARM[0]}' (the session-15 master path, timed in "
+                             "the same run)")
     args = parser.parse_args()
     harness.as_ranks(args.world)
     size = harness.settle(args)
@@ -138,13 +147,15 @@ def main() -> int:
     params = harness.count_params(harness.build_model(size))
     harness.header(PATH, size, params, args)
     if args.policy_seqs:
-        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
+        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)]
+                                 + [OLD_ARM] * args.per_parameter_arm)
         if args.arms:
-            args.arms += f",flag off{PROBE},stochastic{PROBE}"
+            args.arms += f",flag off{PROBE},stochastic{PROBE}" + f",{OLD_ARM[0]}" * args.per_parameter_arm
     result = harness.measure(PATH, make_arm_factory(size, args.backend, args.policy_seqs), hooks, params, args,
                              mem_target=MEM_TARGET)
     if args.policy_seqs and torch.distributed.get_rank() == 0:
         policy_summary(result, args.policy_seqs, size)
+        old_path_summary(result)
     torch.distributed.destroy_process_group()
     return 0
 

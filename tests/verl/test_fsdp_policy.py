@@ -133,6 +133,64 @@ def _count_full_precision_units(model) -> dict:
     return out
 
 
+def _counted(owner, attr: str) -> dict:
+    """Calls of ``owner.attr`` counted (``["n"]``) until ``["undo"]()``."""
+    original, out = getattr(owner, attr), {"n": 0}
+
+    def counted(*args, **kwargs):
+        out["n"] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, attr, counted)
+    out["undo"] = lambda: setattr(owner, attr, original)
+    return out
+
+
+def _count_fsdp2_gathers() -> dict:
+    """FSDP2's own all-gathers (its bf16 unshard; none at world size 1)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    return _counted(_fsdp_param_group, "foreach_all_gather")
+
+
+def _count_group_gathers() -> dict:
+    """The probe's fp32 all-gathers of one FSDP2 parameter group each."""
+    from faircast_plugins import fsdp_policy
+
+    return _counted(fsdp_policy, "gathered_group")
+
+
+def _served_against_fsdp(model, views, ids) -> dict:
+    """The weight every leaf module computes with in the probe's served forward, against the bf16 bits FSDP's own
+    (patched) all-gather gives it in a plain forward: ``served_bits_equal`` (bit for bit, widened) and
+    ``served_is_not_master`` (some weight differs from the probe's master view)."""
+    leaves = {name: m for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
+
+    def capture(into):
+        def hook(name):
+            def seen(mod, args):
+                into.setdefault(name, {k: v.detach().clone() for k, v in mod._parameters.items() if v is not None})
+            return seen
+        return [m.register_forward_pre_hook(hook(name)) for name, m in leaves.items()]
+
+    fsdp_bits, served, master = {}, {}, {}
+    with torch.no_grad():
+        for into, view in ((served, views.served), (master, views.master)):
+            with views.scope(), views.swapped(model, view):
+                handles = capture(into)  # after the probe's own hooks: what the module computes with
+                model(input_ids=ids)
+            for h in handles:
+                h.remove()
+        handles = capture(fsdp_bits)  # FSDP's own forward: its gathered bf16 weights
+        model(input_ids=ids)
+        for h in handles:
+            h.remove()
+    equal = all(torch.equal(fsdp_bits[n][k].float(), served[n][k]) and fsdp_bits[n][k].dtype == torch.bfloat16
+                for n in fsdp_bits for k in fsdp_bits[n])
+    differs = any(not torch.equal(master[n][k], served[n][k]) for n in served for k in served[n])
+    return {"served_bits_equal": equal and set(fsdp_bits) == set(served), "served_is_not_master": differs}
+
+
 def _measure_case(rank: int, case: dict) -> dict:
     """One case on this rank (inside the process group): wrap, register, measure, and what changed."""
     from faircast_plugins import fsdp
@@ -140,7 +198,7 @@ def _measure_case(rank: int, case: dict) -> dict:
     from faircast_plugins.policy_lag import gather_rows
 
     model = _wrap(_masters(case["tied"]), case["kind"])
-    caster = FairCaster(FairCastConfig(enabled=case["on"], seed=SEED))
+    caster = FairCaster(FairCastConfig(enabled=case["on"], seed=SEED, mode=case.get("mode", "stochastic")))
     batch = _batch(rank)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     try:
@@ -160,12 +218,17 @@ def _measure_case(rank: int, case: dict) -> dict:
 
         full_tensor, fallbacks = DTensor.full_tensor, []
         DTensor.full_tensor = lambda self, *a, **k: fallbacks.append(1) or full_tensor(self, *a, **k)
+        fsdp_gathers = _count_fsdp2_gathers()
+        group_gathers = _count_group_gathers()
         try:
             with views.scope():
                 probe.measure(model, 0, **batch, served=views.served, master=views.master, swap=views.swapped,
                               temperature=0.8)
         finally:
             DTensor.full_tensor = full_tensor
+            fsdp_gathers["undo"]()
+            group_gathers["undo"]()
+        served = _served_against_fsdp(model, views, ids) if case["kind"] == "fsdp2" else {}
         for h in full_units["hooks"]:
             h.remove()
         assert model.training  # the probe put the mode back
@@ -175,7 +238,9 @@ def _measure_case(rank: int, case: dict) -> dict:
             after_out = model(input_ids=ids)[0].float()
         return {"rows": rows, "same_shards": all(torch.equal(a, b) for a, b in zip(before, after)),
                 "same_forward": torch.equal(before_out, after_out), "dtype": str(before_out.dtype),
-                "full_units": full_units["most"], "full_after": full_units["count"](), "fallbacks": len(fallbacks)}
+                "full_units": full_units["most"], "full_after": full_units["count"](), "fallbacks": len(fallbacks),
+                "fsdp_gathers": fsdp_gathers["n"], "group_gathers": group_gathers["n"],
+                "per_param_reason": views.per_param_reason, **served}
     finally:
         if case["on"]:
             fsdp.unregister_fsdp_module(model)
@@ -214,18 +279,21 @@ def _reference(case: dict, world: int, served_on: bool) -> torch.Tensor:
 CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, tied=True),
          dict(kind="fsdp1", on=True, tied=False), dict(kind="fsdp1_orig", on=False, tied=False),
          dict(kind="fsdp1_orig", on=True, tied=True), dict(kind="fsdp1", on=False, tied=True)]
+#: measured in the same launches, no one-process reference: error feedback's served copy holds state (its residual)
+EF_CASE = dict(kind="fsdp2", on=True, tied=False, mode="error_feedback")
 _RUNS: dict = {}
 
 
 def _case_id(case: dict) -> str:
-    return f"{case['kind']}-{'on' if case['on'] else 'off'}{'-tied' if case['tied'] else ''}"
+    mode = f"-{case['mode']}" if "mode" in case else ""
+    return f"{case['kind']}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}"
 
 
 def _run(case: dict, world: int) -> list:
     """This case's result on every rank; one spawn per world size runs every case (spawns dominate the time)."""
     if world not in _RUNS:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), tmp, CASES), nprocs=world)
+            mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), tmp, CASES + [EF_CASE]), nprocs=world)
             _RUNS[world] = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     return [results[_case_id(case)] for results in _RUNS[world]]
 
@@ -243,6 +311,11 @@ def test_fsdp_views_equal_the_one_process_reference(case, world):
         got = res["rows"]
         assert got.shape == (SEQS * world, 3)
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-12), (got, want)
+    if case["kind"] == "fsdp2":  # 3 units: FSDP gathers them in bf16 for the served forward only, the master
+        # forward once each in fp32 (the root stays unsharded after the served forward; on the old path the master
+        # forward gathered the two blocks in bf16 again and each parameter alone in fp32)
+        assert all(res["per_param_reason"] is None and res["group_gathers"] == 3
+                   and res["fsdp_gathers"] == (3 if world > 1 else 0) for res in ranks), ranks
     if case["kind"].startswith("fsdp1") and world > 1:  # sharded: the master forward gathers fp32 flat params
         # at most the root unit's and the running unit's at once, and none left allocated after the measurement
         assert all(res["full_units"] in (1, 2) and res["full_after"] == 0 for res in ranks), ranks
@@ -279,3 +352,18 @@ def test_fsdp2_registered_after_a_forward_casts_the_root_parameters_too():
         finally:
             fsdp.remove_fsdp_cast_patches()  # in this process: later tests see torch's own cast sites
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", [c for c in CASES if c["kind"] == "fsdp2"] + [EF_CASE], ids=_case_id)
+def test_fsdp2_served_view_is_fsdps_gathered_bits(case, world):
+    """The served view is bit for bit what FSDP's own (patched) bf16 all-gather hands every module in a plain
+    forward (round to nearest with Fair Cast off, Fair Cast with it on; error feedback, whose served copy is state,
+    too), uneven shards at world size 2 included, and the master view (one fp32 all-gather per FSDP2 group) is not
+    that copy; error feedback's master forward takes the one-gather path as well."""
+    for res in _run(case, world):
+        assert res["served_bits_equal"] and res["served_is_not_master"], res
+        assert res["same_shards"] and res["same_forward"], res
+        assert res["per_param_reason"] is None and res["group_gathers"] == 3, res
+        assert res["fsdp_gathers"] == (3 if world > 1 else 0), res
+        assert res["fallbacks"] == 0 and torch.isfinite(res["rows"]).all() and res["rows"].shape == (SEQS * world, 3)

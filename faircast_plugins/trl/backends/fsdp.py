@@ -12,9 +12,9 @@ cast site of that version -- FSDP's all-gathers, the export -- gets the same bit
 tensor from every rank's served shard (:func:`faircast_plugins.fsdp.assemble_served`), and checkpoints hold one state
 file per rank.
 
-Policy metrics (``faircast_policy_metrics_every``): the two views are taken where FSDP2 gathers the weights
-(:mod:`faircast_plugins.fsdp_policy`): served = each module's unsharded bf16 weight widened to fp32, master = the
-parameter's full fp32 tensor gathered from its shards, one parameter at a time.
+Policy metrics (``faircast_policy_metrics_every``, :mod:`faircast_plugins.fsdp_policy`): served = each module's
+unsharded bf16 weight from FSDP2's own forward, widened to fp32; master = a second forward with FSDP's hooks off, each
+FSDP2 unit's fp32 shards gathered in one all-gather per parameter group.
 """
 from __future__ import annotations
 
@@ -120,8 +120,8 @@ class FSDPBackend(Backend):
 
     def policy_views(self):
         """Served: each module's unsharded bf16 weight (FSDP's cast of the shards: Fair Cast's, or round to nearest
-        with it off) widened to fp32; master: the parameter's full fp32 tensor gathered from the shards, one
-        parameter at a time in forward order (a collective every rank runs). Only inside :meth:`policy_scope`."""
+        with it off) widened to fp32; master: each FSDP2 unit's full fp32 masters, one all-gather of its shards per
+        parameter group in forward order (a collective every rank runs). Only inside :meth:`policy_scope`."""
         return self._views.served, self._views.master
 
     # -- export ---------------------------------------------------------------------------------------------

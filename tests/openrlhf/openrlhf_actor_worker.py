@@ -35,6 +35,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # tests/, last (its folders are named like the frameworks): deepspeed_probe_counts
 import shims  # noqa: E402
 
 shims.install()
@@ -112,26 +113,11 @@ def record_probe(actor, holder, names):
     from faircast_plugins.deepspeed import policy_views
     from faircast_plugins.openrlhf import policy_probe
 
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    from faircast_plugins.deepspeed import master_windows
+    from deepspeed_probe_counts import count_probe_calls
 
     probes, seen = [], {}
     views = policy_views.deepspeed_policy_views
-    counts = {"window_loads": 0, "per_parameter_masters": 0, "deepspeed_fetches": 0}
-
-    def counted(owner, attr, key):
-        inner = getattr(owner, attr)
-
-        def call(*args, **kwargs):
-            counts[key] += 1
-            return inner(*args, **kwargs)
-        setattr(owner, attr, call)
-
-    counted(master_windows.Zero12Layout, "load", "window_loads")
-    counted(master_windows.Zero3Layout, "load", "window_loads")
-    counted(policy_views, "master_view", "per_parameter_masters")
-    counted(PartitionedParameterCoordinator, "fetch_sub_module", "deepspeed_fetches")
+    counts = count_probe_calls()
 
     def recorded_views(engine=None):
         def record(kind, view):

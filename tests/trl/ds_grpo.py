@@ -43,6 +43,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "trl"))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # tests/, last (its folders are named like the frameworks): deepspeed_probe_counts
 
 model_dir, out_dir, scenarios = sys.argv[1], sys.argv[2], sys.argv[3:]
 if "RANK" not in os.environ:  # one process: a world of one
@@ -208,6 +209,7 @@ class Recorder(TrainerCallback):
     def watch_policy(self, hooks: bool = False):
         """Record each policy measurement: the tokens it scored, the temperature, and the rows it produced (before
         the per-step ``fc.metrics()`` takes them), so a one-process reference can recompute them."""
+        from deepspeed_probe_counts import count_probe_calls
         from faircast_plugins.deepspeed import master_windows, policy_views
 
         fc = self.trainer._faircast
@@ -216,27 +218,13 @@ class Recorder(TrainerCallback):
         seen = {"served": {}, "master": {}}
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several windows, one across the ranks' ZeRO-2 partitions
             master_windows.WINDOW_BYTES = 4096
-        counts = {"window_loads": 0, "per_parameter_masters": 0, "deepspeed_fetches": 0}
-
-        def counted(owner, attr, key):
-            inner = getattr(owner, attr)
-
-            def call(*args, **kwargs):
-                counts[key] += 1
-                return inner(*args, **kwargs)
-            setattr(owner, attr, call)
 
         self.restore = lambda: None
         if hooks:  # ZeRO-3's fallback (a frozen or offloaded parameter): the forwards inside DeepSpeed's hooks
             direct = policy_views.zero3_direct
             policy_views.zero3_direct = lambda engine: None
             self.restore = lambda: setattr(policy_views, "zero3_direct", direct)  # after this scenario
-        counted(master_windows.Zero12Layout, "load", "window_loads")
-        counted(master_windows.Zero3Layout, "load", "window_loads")
-        counted(policy_views, "master_view", "per_parameter_masters")  # the per-parameter path (not taken here)
-        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-        counted(PartitionedParameterCoordinator, "fetch_sub_module", "deepspeed_fetches")  # ZeRO-3's module gathers
+        counts = count_probe_calls()  # window loads, per-parameter masters, ZeRO-3 module gathers
 
         def recorded_views():  # each view's value of every parameter, as the probe's forwards read it (first use)
             module = self.trainer.accelerator.unwrap_model(self.trainer.model)

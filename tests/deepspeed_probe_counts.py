@@ -1,0 +1,31 @@
+"""Counters a DeepSpeed policy-probe test worker puts around the views' entry points (TRL's ds_grpo.py and OpenRLHF's
+openrlhf_actor_worker.py): how many master windows were loaded, how many parameters took the per-parameter master
+path, and how many module gathers ZeRO-3's coordinator ran. The wrappers stay for the process's life."""
+from __future__ import annotations
+
+from typing import Dict
+
+
+def _counted(counts: Dict[str, int], owner, attr: str, key: str) -> None:
+    inner = getattr(owner, attr)
+
+    def call(*args, **kwargs):
+        counts[key] += 1
+        return inner(*args, **kwargs)
+
+    setattr(owner, attr, call)
+
+
+def count_probe_calls() -> Dict[str, int]:
+    """Wrap the entry points; returns the live counts (``window_loads``, ``per_parameter_masters``,
+    ``deepspeed_fetches``)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from faircast_plugins.deepspeed import master_windows, policy_views
+
+    counts = {"window_loads": 0, "per_parameter_masters": 0, "deepspeed_fetches": 0}
+    _counted(counts, master_windows.Zero12Layout, "load", "window_loads")
+    _counted(counts, master_windows.Zero3Layout, "load", "window_loads")
+    _counted(counts, policy_views, "master_view", "per_parameter_masters")  # the per-parameter path
+    _counted(counts, PartitionedParameterCoordinator, "fetch_sub_module", "deepspeed_fetches")  # ZeRO-3's gathers
+    return counts

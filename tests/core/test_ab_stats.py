@@ -521,3 +521,15 @@ def test_the_report_says_how_a_run_differs_from_its_committed_protocol():
     # an edited or uncommitted file
     assert "not committed as run" in _protocol_status({"committed_unchanged": False, "overrides": ["arms"]})
     assert "not committed as run" in _protocol_status({"committed_unchanged": False})
+
+
+def test_toy_freshness_2_amends_protocol_5_only_where_protocol_6_says():
+    """PROTOCOL-6 (toy-freshness-2) keeps PROTOCOL-5's design: only the warm start's SFT steps, the split of the 128
+    completions per step, the learning rate (its calibration) and the seeds (new) may differ."""
+    old, new = load(preset="toy-freshness").as_dict(), load(preset="toy-freshness-2").as_dict()
+    amended = {"name", "description", "seeds", "prompts_per_step", "generations", "lr"}
+    assert {k for k in old if old[k] != new[k]} <= amended | {"warmstart"}
+    assert {k for k in old["warmstart"] if old["warmstart"][k] != new["warmstart"][k]} <= {"sft_steps"}
+    assert 100 <= new["warmstart"]["sft_steps"] <= 175
+    assert new["prompts_per_step"] * new["generations"] == 128 and new["lr"] in (1e-4, 2e-4)
+    assert len(new["seeds"]) == 8 and not set(new["seeds"]) & (set(old["seeds"]) | {1000})

@@ -533,3 +533,12 @@ def test_toy_freshness_2_amends_protocol_5_only_where_protocol_6_says():
     assert 100 <= new["warmstart"]["sft_steps"] <= 175
     assert new["prompts_per_step"] * new["generations"] == 128 and new["lr"] in (1e-4, 2e-4)
     assert len(new["seeds"]) == 8 and not set(new["seeds"]) & (set(old["seeds"]) | {1000})
+
+
+def test_toy_freshness_3_is_protocol_6s_design_at_its_calibrated_values():
+    """PROTOCOL-7 (toy-freshness-3) runs PROTOCOL-6's design (toy-freshness-2, which holds C1's pick and C2's try 1)
+    without the tripling gate: every field but the name and the description is the same."""
+    two, three = load(preset="toy-freshness-2").as_dict(), load(preset="toy-freshness-3").as_dict()
+    assert {k for k in two if two[k] != three[k]} == {"name", "description"}
+    assert (three["warmstart"]["sft_steps"], three["prompts_per_step"], three["generations"], three["lr"]) == \
+        (125, 16, 8, 1e-4)

@@ -521,3 +521,24 @@ def test_the_report_says_how_a_run_differs_from_its_committed_protocol():
     # an edited or uncommitted file
     assert "not committed as run" in _protocol_status({"committed_unchanged": False, "overrides": ["arms"]})
     assert "not committed as run" in _protocol_status({"committed_unchanged": False})
+
+
+def test_toy_freshness_2_amends_protocol_5_only_where_protocol_6_says():
+    """PROTOCOL-6 (toy-freshness-2) keeps PROTOCOL-5's design: only the warm start's SFT steps, the split of the 128
+    completions per step, the learning rate (its calibration) and the seeds (new) may differ."""
+    old, new = load(preset="toy-freshness").as_dict(), load(preset="toy-freshness-2").as_dict()
+    amended = {"name", "description", "seeds", "prompts_per_step", "generations", "lr"}
+    assert {k for k in old if old[k] != new[k]} <= amended | {"warmstart"}
+    assert {k for k in old["warmstart"] if old["warmstart"][k] != new["warmstart"][k]} <= {"sft_steps"}
+    assert 100 <= new["warmstart"]["sft_steps"] <= 175
+    assert new["prompts_per_step"] * new["generations"] == 128 and new["lr"] in (1e-4, 2e-4)
+    assert len(new["seeds"]) == 8 and not set(new["seeds"]) & (set(old["seeds"]) | {1000})
+
+
+def test_toy_freshness_3_is_protocol_6s_design_at_its_calibrated_values():
+    """PROTOCOL-7 (toy-freshness-3) runs PROTOCOL-6's design (toy-freshness-2, which holds C1's pick and C2's try 1)
+    without the tripling gate: every field but the name and the description is the same."""
+    two, three = load(preset="toy-freshness-2").as_dict(), load(preset="toy-freshness-3").as_dict()
+    assert {k for k in two if two[k] != three[k]} == {"name", "description"}
+    assert (three["warmstart"]["sft_steps"], three["prompts_per_step"], three["generations"], three["lr"]) == \
+        (125, 16, 8, 1e-4)

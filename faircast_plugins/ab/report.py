@@ -119,11 +119,27 @@ def compare_all(summaries: List[dict], proto, pairs) -> tuple:
     return {m: [r.as_dict() for r in rs] for m, rs in results.items()}, family
 
 
+def _oriented(pairs: List[tuple], proto) -> List[tuple]:
+    """Each pair as the protocol's family declares it (``[metric, A, B]``: A - B, e.g. fresh - frozen with the
+    baseline first), where the default pairs have it the other way round (baseline second)."""
+    declared = {tuple(f[1:]) for f in proto.family}
+    return [p[::-1] if p not in declared and p[::-1] in declared else p for p in pairs]
+
+
+def _aa_pair(results: dict, proto) -> Optional[dict]:
+    """The A/A control's comparison on the primary metric: ``faircast-aa`` vs ``faircast``, or any ``<arm>-aa``
+    (the same arm with other random draws) vs its ``<arm>``."""
+    for c in results["comparisons"][proto.metric]:
+        if c["a"].endswith("-aa") and c["b"] == c["a"][:-3]:
+            return c
+    return None
+
+
 def build(out: str, proto, provenance: dict, ws_info: Optional[dict], failed: Sequence[str], meta: dict) -> dict:
     runs = load_runs(out)
     summaries = [summarize_run(r) for r in runs]
     arms = [a for a in proto.arms if any(s["arm"] == a for s in summaries)]
-    pairs = stats.default_pairs(arms, proto.baseline, extra=[tuple(p) for p in proto.pairs])
+    pairs = _oriented(stats.default_pairs(arms, proto.baseline, extra=[tuple(p) for p in proto.pairs]), proto)
     comparisons, family = compare_all(summaries, proto, pairs)
     from .runner import load_sessions
 
@@ -304,14 +320,16 @@ def markdown(results: dict, proto) -> str:
                           ("served_sampled", "sampled success of the served copy (temperature 1)"),
                           ("master_expected", "exact expected success of the fp32 master")):
         lines += [f"## Paired: {title}", "", _pairs_table(results, metric), ""]
-    aa = next((c for c in results["comparisons"][proto.metric] if c["a"] == "faircast-aa"), None)
+    aa = _aa_pair(results, proto)
     if aa:
         aa = stats.PairResult.from_dict(aa)
+        what = ("faircast with another Fair Cast seed" if aa.a == "faircast-aa"
+                else f"{aa.a}: {aa.b} with other draws")
         if math.isnan(aa.t_ci_low):
-            lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points over "
+            lines += [f"A/A control ({what}): mean {100 * aa.mean_diff:+.3f} points over "
                       f"{aa.n} seed(s): no interval with fewer than 2 seeds.", ""]
         else:
-            lines += [f"A/A control (faircast with another Fair Cast seed): mean {100 * aa.mean_diff:+.3f} points, 95% "
+            lines += [f"A/A control ({what}): mean {100 * aa.mean_diff:+.3f} points, 95% "
                       f"paired-t CI [{100 * aa.t_ci_low:+.3f}, {100 * aa.t_ci_high:+.3f}], "
                       f"{'contains' if aa.ci_contains_zero else '**does not contain**'} 0; its sd of paired "
                       f"differences ({100 * aa.sd_diff:.3f} points) is the noise floor for the pairs above.", ""]

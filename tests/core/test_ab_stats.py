@@ -479,6 +479,35 @@ def test_report_uses_the_t_test_holm_family_margin_and_records_sessions(tmp_path
     assert "pre-declared in the protocol" in report and "TOST" in report and "95% CI (paired t)" in report
 
 
+def test_report_orients_pairs_as_the_family_declares_and_finds_the_aa_twin(tmp_path):
+    """A family declared as [metric, fresh, stale] (the baseline first, as PROTOCOL-7 declares it) is reported in that
+    orientation and Holm-adjusted (the default pairs put the baseline second: the member was missed before); an arm
+    named ``<arm>-aa`` is that arm's A/A twin and gets the A/A paragraph."""
+    from faircast_plugins.ab.protocol import METRICS
+    from faircast_plugins.ab.report import build
+
+    f = tmp_path / "p.json"
+    arms = ["fp32-served", "fp32-frozen", "fp32-delayed@10", "fp32-served-aa"]
+    f.write_text(json.dumps({"name": "t", "compute": "fp32", "arms": arms, "baseline": "fp32-served", "seeds": [0, 1, 2],
+                             "family": [["master_expected", "fp32-served", "fp32-frozen"], ["master_expected", "fp32-served", "fp32-delayed@10"]]}))
+    proto = load(path=str(f))
+    for arm, bump in (("fp32-served", 0.05), ("fp32-frozen", 0.0), ("fp32-delayed@10", 0.04), ("fp32-served-aa", 0.0501)):
+        (tmp_path / "runs" / arm).mkdir(parents=True)
+        for seed in proto.seeds:
+            ev = [{"step": 10, **{m: 0.1 + bump + 0.003 * seed * (arm != "fp32-frozen") for m in METRICS}}]
+            (tmp_path / "runs" / arm / f"seed{seed}.json").write_text(json.dumps(
+                {"arm": arm, "seed": seed, "lr": 1e-4, "evals": ev, "steps": [{"step": 1, "reward": 0.1}]}))
+    res = build(str(tmp_path), proto, {"path": str(f), "sha256": "0" * 64}, None, [], {})
+    rows = {(m, c["a"], c["b"]): c for m, cs in res["comparisons"].items() for c in cs}
+    fam = [rows[("master_expected", "fp32-served", b)] for b in ("fp32-frozen", "fp32-delayed@10")]
+    assert fam[0]["mean_diff"] == pytest.approx(0.053) and fam[0]["mean_diff"] > 0  # fresh - frozen, as declared
+    assert all(not math.isnan(r["p_holm"]) for r in fam)  # both members adjusted
+    assert ("master_expected", "fp32-frozen", "fp32-served") not in rows  # not also the other way round
+    assert ("master_expected", "fp32-served-aa", "fp32-served") in rows  # the A/A as before
+    report = (tmp_path / "report.md").read_text()
+    assert "A/A control (fp32-served-aa: fp32-served with other draws)" in report
+
+
 def test_masters_load_into_a_tied_model_and_nothing_else_may_be_missing():
     """SmolLM2 ties lm_head to the embedding: the masters (named once) load, a truly missing tensor is refused."""
     torch = pytest.importorskip("torch")

@@ -28,8 +28,10 @@ Pure torch, below the adapters: :func:`sequence_stats` (logits of both copies on
 sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the vocabulary by tensor parallelism),
 :func:`summarize` (those rows, gathered from every rank -> the metrics), :func:`weights_swapped` (runs a forward on
 another copy of the weights, swapping each module's own parameters in just before it runs and back just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
-served copy of one master, by the export's cast) and :class:`PolicyLagProbe` (when to measure, and the measuring
-itself, given the adapter's two weight views).
+served copy of one master, by the export's cast), :func:`hooks_detached` (forwards without given hooks, e.g. FSDP2's
+or DeepSpeed ZeRO-3's gathers when the views bring the weights), :func:`chunk_size` / :func:`chunk_slices` (how many
+sequences per forward, and the forwards every rank runs: shared with the Megatron probe) and :class:`PolicyLagProbe`
+(when to measure, and the measuring itself, given the adapter's two weight views).
 """
 from __future__ import annotations
 

@@ -14,15 +14,16 @@ data-parallel group; ZeRO-3: an all-gather of the fp32 partitions). Both are col
 for the same parameters in the same order, so the probe's forwards run on every rank. Frozen parameters have no
 optimizer master; their bf16 weight is all there is.
 
-ZeRO-3, direct (:func:`zero3_direct`, the default where it applies): both views come from the optimizer's
-partitions a window at a time (served: the bf16 partitions ``fp16_partitioned_groups_flat``, exactly what
-DeepSpeed's module hooks would gather; master: the fp32 ones), and the swap of :meth:`DeepSpeedPolicyViews.scope`
-runs each forward with DeepSpeed's module hooks and the engine's forward prologue/epilogue hooks detached
-(:func:`faircast_plugins.policy_lag.hooks_detached`): no per-module bf16 all-gather (session 15 ran one per module in
-each of the two forwards, the master forward's wasted), no "external parameter" gathers (the prologue marks the modules in forward), nothing recorded in the prefetch trace. ``p.ds_status`` and
-``p.ds_tensor`` are not touched; a persistent parameter (whole on every rank) is served from its own weight. It
-applies when every partitioned parameter of the module is in both window layouts (not a frozen one, not one offloaded
-away from the flat buffers, not a sub-group swapped to NVMe).
+ZeRO-3, direct (:func:`zero3_direct`, the default where it applies): both views come from the optimizer's partitions
+a window at a time (served: the bf16 partitions ``fp16_partitioned_groups_flat``, exactly what DeepSpeed's module
+hooks would gather; master: the fp32 ones), and the swap of :meth:`DeepSpeedPolicyViews.scope` runs each forward
+with DeepSpeed's module hooks and the engine's forward prologue/epilogue hooks detached
+(:func:`faircast_plugins.policy_lag.hooks_detached`): no per-module bf16 all-gather (session 15 ran one per module
+in each of the two forwards, the master forward's wasted), no "external parameter" gathers (the prologue marks the
+modules in forward), nothing recorded in the prefetch trace. ``p.ds_status`` and ``p.ds_tensor`` are not touched; a
+persistent parameter (whole on every rank) is served from its own weight. It applies when every partitioned
+parameter of the module is in both window layouts (not a frozen one, not one offloaded away from the flat buffers,
+not a sub-group swapped to NVMe).
 
 ZeRO-3 otherwise (DeepSpeed 0.19, ``runtime/zero/parameter_offload.py``): each module's forward pre-hook, registered
 at engine init, all-gathers the module's partitions into ``p.data`` (``fetch_sub_module``) and its forward hook

@@ -63,8 +63,9 @@ class DeepSpeedBackend(Backend):
 
     @contextmanager
     def policy_scope(self):
-        """One measurement's views of the engine (:class:`~faircast_plugins.deepspeed.policy_views.DeepSpeedPolicyViews`:
-        each layout built once), their scope yielding the probe's swap."""
+        """One measurement's views of the engine (each layout built once:
+        :class:`~faircast_plugins.deepspeed.policy_views.DeepSpeedPolicyViews`), their scope yielding the probe's
+        swap."""
         from ...deepspeed.policy_views import DeepSpeedPolicyViews
 
         self._views = DeepSpeedPolicyViews(self.trainer.deepspeed)

@@ -44,7 +44,7 @@ from torch import nn
 
 from .fsdp import _all_gather, _param_groups
 from .patching import FairCastPatchError
-from .policy_lag import swap_hooks, widened
+from .policy_lag import hooks_detached, swap_hooks, widened
 
 #: (module, attribute name, the tensor the attribute holds now) -> the tensor to compute with instead (None: as it is)
 OwnedView = Callable[[nn.Module, str, torch.Tensor], Optional[torch.Tensor]]
@@ -195,31 +195,13 @@ def _one_gather_blocker(states2) -> Optional[str]:
 
 
 @contextmanager
-def _fsdp2_hooks_off(modules2, states2):
-    """FSDP2's forward hooks (its unshard, reshard and root setup) taken off every FSDP2 module for the probe's
-    forwards, and put back in their places after: the probe gathers the weights itself (:func:`gathered_group`)."""
-    saved = []
-    try:
-        for module, state in zip(modules2, states2):
-            ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
-            for attr in ("_forward_pre_hooks", "_forward_hooks"):
-                hooks = getattr(module, attr)
-                saved.append((hooks, list(hooks.items())))
-                for i in ids:
-                    hooks.pop(i, None)
-        yield
-    finally:
-        for hooks, items in reversed(saved):
-            hooks.clear()
-            hooks.update(items)
-
-
-@contextmanager
 def _gathered_masters(modules2, states2):
-    """Forwards inside read the full fp32 master of every FSDP2 parameter, with FSDP's own hooks off (no bf16 all-gather, no cast, no reshard, FSDP's state untouched): at each FSDP2 module's forward
-    each of its parameter groups is gathered in fp32 in one collective (:func:`gathered_group`), and every place its
-    parameters are registered (tied: each) holds the view until that module's forward ends (the root's for the whole
-    forward, as FSDP keeps it); the registered tensors (sharded or FSDP's unsharded ones) are put back after."""
+    """Forwards inside read the full fp32 master of every FSDP2 parameter, with FSDP2's forward hooks (its unshard,
+    reshard and root setup) detached (:func:`~faircast_plugins.policy_lag.hooks_detached`: no bf16 all-gather, no
+    cast, no reshard, FSDP's state untouched): at each FSDP2 module's forward each of its parameter groups is
+    gathered in fp32 in one collective (:func:`gathered_group`), and every place its parameters are registered (tied:
+    each) holds the view until that module's forward ends (the root's for the whole forward, as FSDP keeps it); the
+    registered tensors (sharded or FSDP's unsharded ones) are put back after."""
     groups = {id(m): _param_groups(s) for m, s in zip(modules2, states2)}
 
     def swap_in(module, args, kwargs):
@@ -237,7 +219,8 @@ def _gathered_masters(modules2, states2):
         for owner, name, p in reversed(swapped):
             owner._parameters[name] = p
 
-    with _fsdp2_hooks_off(modules2, states2), swap_hooks(modules2, swap_in, put_back):
+    fsdp_hooks = [h for s in states2 for h in (s._pre_forward_hook_handle, s._post_forward_hook_handle)]
+    with hooks_detached(fsdp_hooks), swap_hooks(modules2, swap_in, put_back):
         yield
 
 

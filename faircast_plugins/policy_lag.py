@@ -28,13 +28,15 @@ Pure torch, below the adapters: :func:`sequence_stats` (logits of both copies on
 sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the vocabulary by tensor parallelism),
 :func:`summarize` (those rows, gathered from every rank -> the metrics), :func:`weights_swapped` (runs a forward on
 another copy of the weights, swapping each module's own parameters in just before it runs and back just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
-served copy of one master, by the export's cast) and :class:`PolicyLagProbe` (when to measure, and the measuring
-itself, given the adapter's two weight views).
+served copy of one master, by the export's cast), :func:`hooks_detached` (forwards without given hooks, e.g. FSDP2's
+or DeepSpeed ZeRO-3's gathers when the views bring the weights), :func:`chunk_size` / :func:`chunk_slices` (how many
+sequences per forward, and the forwards every rank runs: shared with the Megatron probe) and :class:`PolicyLagProbe`
+(when to measure, and the measuring itself, given the adapter's two weight views).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -178,6 +180,34 @@ def swap_hooks(modules, swap_in: Callable, put_back: Callable):
         for stack in saved.values():
             for swapped in reversed(stack):
                 put_back(swapped)
+
+
+@contextmanager
+def hooks_detached(handles):
+    """Forwards inside run without the hooks of ``handles`` (``torch.utils.hooks.RemovableHandle``: e.g. FSDP2's or
+    DeepSpeed ZeRO-3's gather/release hooks, when the probe brings the weights itself): each is taken out of the hook
+    dict it was registered in (``handle.hooks_dict_ref()``, keyed by the handle's id, unique over the process) and put
+    back on exit in its original place. A hook another removed inside stays removed; one added inside is kept, after
+    the original ones."""
+    ids = {h.id for h in handles}
+    saved: Dict[int, tuple] = {}  # id(hook dict) -> (the dict, its items before)
+    for h in handles:
+        hooks = h.hooks_dict_ref()
+        if hooks is not None and id(hooks) not in saved:
+            saved[id(hooks)] = (hooks, list(hooks.items()))
+    try:
+        for hooks, _ in saved.values():
+            for key in [k for k in hooks if k in ids]:
+                del hooks[key]
+        yield
+    finally:
+        for hooks, items in saved.values():
+            before = {k for k, _ in items}
+            added = [(k, v) for k, v in hooks.items() if k not in before]
+            kept = [(k, v) for k, v in items if k in ids or k in hooks]
+            hooks.clear()
+            hooks.update(kept)
+            hooks.update(added)
 
 
 @contextmanager
@@ -332,25 +362,19 @@ class PolicyLagProbe:
         rows = []
         device_type = completion_ids.device.type
         count, length = min(self.seqs, completion_ids.shape[0]), completion_ids.shape[1]
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        chunk = count if not vocab else max(1, min(count, LOGIT_BUDGET // (8 * length * int(vocab))))
+        chunk = chunk_size(count, length, getattr(getattr(model, "config", None), "vocab_size", None))
         was_training = model.training
         model.eval()  # no dropout: both views score the same function of the weights
         try:
             with torch.autocast(device_type=device_type, enabled=False):
-                starts = list(range(0, count, chunk))  # as many sequences per forward as the logit budget allows
-                if collective:
-                    starts += [None] * (_most_over_ranks(len(starts)) - len(starts))
-                for start in starts:
-                    i = 0 if start is None else start  # None: a forward only the other ranks' collectives need
-                    j = min(count, i + chunk)
+                for i, j, counted in chunk_slices(count, chunk, collective=collective):
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
                     with swap(model, served):
                         s = _completion_logits(model, ids, att, length, mask_positions)
                     with swap(model, master):
                         m = _completion_logits(model, ids, att, length, mask_positions)
-                    if start is not None:
+                    if counted:
                         rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
                     del s, m
         finally:
@@ -365,19 +389,46 @@ class PolicyLagProbe:
         return rows
 
 
+def chunk_size(count: int, length: int, vocab: Optional[int], budget: Optional[int] = None) -> int:
+    """Sequences per forward of the probe: as many of ``count`` sequences of ``length`` positions as fit both views'
+    fp32 logits (``8 * length * vocab`` bytes a sequence) in ``budget`` (default :data:`LOGIT_BUDGET`), at least one;
+    all ``count`` (at least one) when the vocabulary size is not known."""
+    if not vocab:
+        return max(1, count)
+    budget = LOGIT_BUDGET if budget is None else budget
+    return max(1, min(count, budget // (8 * length * int(vocab))))
+
+
+def chunk_slices(count: int, chunk: int, *, collective: bool = False, device=None) -> List[Tuple[int, int, bool]]:
+    """``(i, j, counted)`` for each forward of the probe: sequences ``[i, j)`` of this rank's ``count``, ``chunk`` at a
+    time. ``collective``: the forwards communicate, so every rank runs as many as the rank that needs the most (an
+    all-reduce MAX over the default group, on ``device``: default CUDA under NCCL, else the CPU); the extra ones
+    repeat the first chunk with ``counted`` False (their rows are discarded)."""
+    forwards = -(-count // chunk)
+    if collective:
+        forwards = _most_over_ranks(forwards, device)
+    out = []
+    for n in range(forwards):
+        counted = n * chunk < count
+        i = n * chunk if counted else 0
+        out.append((i, min(count, i + chunk), counted))
+    return out
+
+
 def _collective_device():
     import torch.distributed as dist
 
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _most_over_ranks(n: int) -> int:
-    """The largest ``n`` over the ranks (a collective when torch.distributed is initialised: every rank calls it)."""
+def _most_over_ranks(n: int, device=None) -> int:
+    """The largest ``n`` over the ranks (a collective when torch.distributed is initialised: every rank calls it), on
+    ``device`` (default :func:`_collective_device`)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return n
-    most = torch.tensor([n], dtype=torch.int64, device=_collective_device())
+    most = torch.tensor([n], dtype=torch.int64, device=device if device is not None else _collective_device())
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return int(most.item())
 
@@ -430,5 +481,6 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
     return out
 
 
-__all__ = ["DEFAULT_SEQS", "swap_hooks", "KEYS", "PolicyLagProbe", "gather_rows", "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight",
-           "summarize", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]
+__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "gather_rows", "hooks_detached",
+           "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight", "summarize", "swap_hooks",
+           "vocab_parallel_sequence_stats", "weights_swapped", "widened"]

@@ -250,11 +250,4 @@ class MasterWindows:
         return self.layout.extract(window, key[1], self.layout.places[id(p)]).to(p.data.device)
 
 
-def master_windows(engine) -> Optional[MasterWindows]:
-    """The windowed masters of ``engine``'s optimizer (None: a layout not read here, the per-parameter view)."""
-    layout = layout_of(getattr(engine, "optimizer", None))
-    return MasterWindows(layout) if layout is not None and layout.places else None
-
-
-__all__ = ["KEPT_WINDOWS", "MasterWindows", "WINDOW_BYTES", "Zero12Layout", "Zero3Layout", "layout_of",
-           "master_windows"]
+__all__ = ["KEPT_WINDOWS", "MasterWindows", "WINDOW_BYTES", "Zero12Layout", "Zero3Layout", "layout_of"]

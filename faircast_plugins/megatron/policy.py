@@ -49,8 +49,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..patching import FairCastPatchError
-from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, gather_rows, metrics_of, sequence_stats,
-                          vocab_parallel_sequence_stats, weights_swapped, widened)
+from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, chunk_size, chunk_slices, gather_rows, metrics_of,
+                          sequence_stats, vocab_parallel_sequence_stats, weights_swapped, widened)
 from .layout import _unwrap, dp_ranges, float16_pairs, first_device, sub_optimizers
 
 WHERE = "the faircast/policy_* metrics under Megatron-core (faircast_plugins.megatron.policy)"
@@ -249,17 +249,6 @@ class MegatronPolicyProbe:
             config.pipeline_dtype = saved
         return got[0] if got else None
 
-    def _forwards(self, count: int, chunk: int) -> int:
-        """How many chunked forward pairs this rank runs: the most over all ranks where the master view assembles
-        params by collectives (each rank's count and length give its own chunking; a rank with fewer repeats its
-        first chunk, its rows discarded)."""
-        steps = -(-count // chunk)
-        if not self.master.collective:
-            return steps
-        most = torch.tensor([steps], dtype=torch.int64, device=first_device(self.optimizer))
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        return int(most.item())
-
     @torch.no_grad()
     def measure(self, step: int, input_ids: torch.Tensor, position_ids: torch.Tensor, token_mask: torch.Tensor, *,
                 attention_mask: Optional[torch.Tensor] = None, temperature: float = 1.0) -> None:
@@ -296,22 +285,22 @@ class MegatronPolicyProbe:
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
             token_mask = torch.cat([token_mask, token_mask.new_zeros(count, extra)], dim=1)
         length = input_ids.shape[1]
-        local_vocab = self._local_vocab()
-        chunk = 1 if local_vocab is None else max(1, LOGIT_BUDGET // (8 * length * local_vocab))
+        local_vocab = self._local_vocab()  # unknown: one sequence per forward (every stage chunks alike)
+        chunk = 1 if local_vocab is None else chunk_size(count, length, local_vocab, LOGIT_BUDGET)
         rows = []
         was_training = self.model.training
         self.model.eval()
         tp_group = ps.get_tensor_model_parallel_group()
         try:
             with torch.autocast(device_type=input_ids.device.type, enabled=False), fp32_softmax(self.model):
-                for n in range(self._forwards(count, chunk)):
-                    i = n * chunk if n * chunk < count else 0  # past this rank's sequences: other ranks' collectives
-                    j = min(count, i + chunk)
+                # the master view's all-reduces pair up over the ranks: as many forwards on each (policy_lag)
+                for i, j, counted in chunk_slices(count, chunk, collective=self.master.collective,
+                                                  device=first_device(self.optimizer)):
                     ids, pos = input_ids[i:j], position_ids[i:j]
                     att = attention_mask[i:j] if attention_mask is not None and attention_mask.shape[0] > 1 else attention_mask
                     s = self._logits(served_view, ids, pos, att)
                     m = self._logits(self.master, ids, pos, att)
-                    if s is not None and n * chunk < count:
+                    if s is not None and counted:
                         args = counted_positions(s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:])
                         rows.append(vocab_parallel_sequence_stats(*args, temperature, group=tp_group) if tp > 1
                                     else sequence_stats(*args, temperature))  # TP 1: the whole vocabulary here

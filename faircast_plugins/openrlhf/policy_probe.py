@@ -58,14 +58,14 @@ def measure(engine, experience, temperature: float) -> None:
     step = int(engine.global_steps)
     if probe is None or not probe.due(step):
         return
-    from ..deepspeed.policy_views import deepspeed_policy_views, probing
+    from ..deepspeed.policy_views import DeepSpeedPolicyViews
 
     sequences, attention_mask, action_mask = experience.sequences, experience.attention_mask, experience.action_mask
     actions = action_mask.shape[1]
-    served, master = deepspeed_policy_views(engine)
-    with probing(engine) as swap:
+    views = DeepSpeedPolicyViews(engine)  # this measurement's: each layout built once
+    with views.scope() as swap:
         probe.measure(engine.module, step, sequences[:, :-actions], attention_mask[:, :-actions],
-                      sequences[:, -actions:], action_mask.long(), served=served, master=master,
+                      sequences[:, -actions:], action_mask.long(), served=views.served, master=views.master,
                       temperature=temperature, mask_positions=True, collective=True, swap=swap)
 
 

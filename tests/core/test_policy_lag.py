@@ -235,6 +235,55 @@ def test_chunks_under_the_logit_budget_give_the_same_metrics(monkeypatch):
     assert chunked == pytest.approx(whole, rel=1e-6)
 
 
+def test_chunk_size_and_slices_in_one_process():
+    """The chunking PolicyLagProbe and the Megatron probe share (policy_lag.chunk_size / chunk_slices): as many
+    sequences per forward as the logit budget allows, and each forward's ``(i, j, counted)``; out of a process group
+    a collective chunking is this rank's own (the two-rank agreement: the test below)."""
+    from faircast_plugins.policy_lag import chunk_size, chunk_slices
+
+    assert chunk_size(5, 10, None) == 5 and chunk_size(0, 10, None) == 1  # no vocabulary size: all at once
+    assert chunk_size(5, 10, 100, budget=8 * 10 * 100 * 2) == 2  # both views' fp32 logits of 2 sequences
+    assert chunk_size(5, 10, 100, budget=1) == 1 and chunk_size(5, 10, 100, budget=1 << 40) == 5
+    assert chunk_slices(5, 2) == chunk_slices(5, 2, collective=True) == [(0, 2, True), (2, 4, True), (4, 5, True)]
+    assert chunk_slices(0, 1, collective=True) == []
+
+
+def test_hooks_detached_takes_the_given_hooks_out_and_puts_them_back_in_order():
+    """policy_lag.hooks_detached (FSDP2's and DeepSpeed ZeRO-3's gather hooks around the probe's own forwards): the
+    given hooks do not run inside, the others do; on exit (also on an exception) they are back in their original order,
+    a hook added inside is kept after them, and one removed inside stays removed."""
+    from faircast_plugins.policy_lag import hooks_detached
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    ran = []
+
+    def hook(tag):
+        return lambda module, *args: ran.append(tag)
+
+    first = a.register_forward_pre_hook(hook("a-pre1"))
+    kept = a.register_forward_pre_hook(hook("a-pre2"))
+    third = a.register_forward_pre_hook(hook("a-pre3"))
+    post = a.register_forward_hook(hook("a-post"))
+    other = b.register_forward_pre_hook(hook("b-pre"))
+    x = torch.zeros(1, 2)
+    with hooks_detached([first, third, post, other]):
+        a(x), b(x)
+        assert ran == ["a-pre2"]
+        added = a.register_forward_pre_hook(hook("a-pre-added"))
+        added_post = a.register_forward_hook(hook("a-post-added"))
+    assert list(a._forward_pre_hooks) == [first.id, kept.id, third.id, added.id]
+    assert list(a._forward_hooks) == [post.id, added_post.id] and list(b._forward_pre_hooks) == [other.id]
+    ran.clear()
+    a(x), b(x)
+    assert ran == ["a-pre1", "a-pre2", "a-pre3", "a-pre-added", "a-post", "a-post-added", "b-pre"]
+    with pytest.raises(RuntimeError, match="inside"):
+        with hooks_detached([first]):
+            kept.remove()
+            assert list(a._forward_pre_hooks) == [third.id, added.id]
+            raise RuntimeError("inside")
+    assert list(a._forward_pre_hooks) == [first.id, third.id, added.id]
+
+
 # -- vocab-parallel (tensor-parallel logits) ------------------------------------------------------------------------
 def _tp_case(seed=3, b=3, t=7, vocab=12, scale=4.0):
     g = torch.Generator().manual_seed(seed)

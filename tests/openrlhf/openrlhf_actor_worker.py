@@ -116,29 +116,29 @@ def record_probe(actor, holder, names):
     from deepspeed_probe_counts import count_probe_calls
 
     probes, seen = [], {}
-    views = policy_views.deepspeed_policy_views
     counts = count_probe_calls()
 
-    def recorded_views(engine=None):
-        def record(kind, view):
-            def wrapped(p):
-                out = view(p)
-                if id(p) in names and names[id(p)] not in seen[kind]:
-                    seen[kind][names[id(p)]] = (out if out is not None else p.data).detach().float().clone()
-                return out
-            return wrapped
+    def record(kind, view):
+        def wrapped(p):
+            out = view(p)
+            if id(p) in names and names[id(p)] not in seen[kind]:
+                seen[kind][names[id(p)]] = (out if out is not None else p.data).detach().float().clone()
+            return out
+        return wrapped
 
-        served, master = views(engine)
-        return record("served", served), record("master", master)
+    class RecordedViews(policy_views.DeepSpeedPolicyViews):
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.served, self.master = record("served", self.served), record("master", self.master)
 
-    policy_views.deepspeed_policy_views = recorded_views
+    policy_views.DeepSpeedPolicyViews = RecordedViews
     original = policy_probe.measure
 
     def measure(engine, experience, temperature):
         probe = engine.__dict__[policy_probe.PROBE_ATTR]
         before = probe.pending.shape[0] if probe.pending is not None else 0
         seen["served"], seen["master"] = {}, {}
-        counts.update(window_loads=0, per_parameter_masters=0, deepspeed_fetches=0)
+        counts.update(dict.fromkeys(counts, 0))
         original(engine, experience, temperature)
         rows = probe.pending[before:] if probe.pending is not None else None
         if rows is not None and rows.shape[0]:

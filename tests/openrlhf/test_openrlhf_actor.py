@@ -173,6 +173,8 @@ def test_policy_metrics_equal_a_one_process_reference(runs, key):
         # the masters (ZeRO-3: both views) came from the optimizer's partitions a window at a time, and the ZeRO-3
         # forwards ran without DeepSpeed's module gathers (deepspeed/master_windows.py, policy_views.zero3_direct)
         assert probe["window_loads"] >= 1 and probe["per_parameter_masters"] == 0 and probe["deepspeed_fetches"] == 0
+        # each layout built once per measurement (policy_views.DeepSpeedPolicyViews; before: master 3x, served 2x)
+        assert (probe["master_layouts"], probe["served_layouts"]) == (1, int(stage == 3))
         tol = dict(rtol=1e-3, atol=1e-5) if stage == 3 else dict(rtol=1e-5, atol=1e-9)
         ref = _reference_rows(probe)
         assert torch.allclose(probe["rows"], ref, **tol), (step, probe["rows"], ref)

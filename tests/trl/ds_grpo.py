@@ -222,7 +222,7 @@ class Recorder(TrainerCallback):
         self.restore = lambda: None
         if hooks:  # ZeRO-3's fallback (a frozen or offloaded parameter): the forwards inside DeepSpeed's hooks
             direct = policy_views.zero3_direct
-            policy_views.zero3_direct = lambda engine: None
+            policy_views.zero3_direct = lambda engine, master_layout: None
             self.restore = lambda: setattr(policy_views, "zero3_direct", direct)  # after this scenario
         counts = count_probe_calls()  # window loads, per-parameter masters, ZeRO-3 module gathers
 
@@ -246,7 +246,7 @@ class Recorder(TrainerCallback):
         def measure_policy(inputs, step, temperature):
             before = fc.policy.pending.shape[0] if fc.policy.pending is not None else 0
             seen["served"], seen["master"] = {}, {}
-            counts.update(window_loads=0, per_parameter_masters=0, deepspeed_fetches=0)
+            counts.update(dict.fromkeys(counts, 0))
             result = original(inputs, step, temperature)
             rows = fc.policy.pending[before:] if fc.policy.pending is not None else None
             # ZeRO-3 bookkeeping after the probe: a parameter DeepSpeed marked released must hold no gathered data

@@ -470,6 +470,10 @@ def test_policy_metrics_equal_a_one_process_reference(request, tiny_model_dir, f
             # without DeepSpeed's module gathers (session 15: one per module and forward, the master pass's wasted);
             # policy_hooks: the fallback, inside DeepSpeed's hooks (the served view as they gathered it)
             assert (probe["deepspeed_fetches"] > 0) == tag.endswith("policy_hooks"), probe["deepspeed_fetches"]
+            # one measurement builds each layout once (policy_views.DeepSpeedPolicyViews): the master's, and under
+            # ZeRO-3 direct the served one (before: master 3x, served 2x per measurement)
+            direct = tag.startswith("z3") and not tag.endswith("policy_hooks")
+            assert (probe["master_layouts"], probe["served_layouts"]) == (1, int(direct)), probe
             # ZeRO-3: after the probe every partitioned parameter is released again and holds no gathered data
             assert probe["stale"] == [] and (probe["released"] > 0) == tag.startswith("z3"), probe["stale"]
             if probe["step"] > 0:

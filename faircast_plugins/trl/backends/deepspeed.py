@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ class DeepSpeedBackend(Backend):
     def __init__(self, trainer, caster):
         super().__init__(trainer, caster)
         self.attached = None  # the DeepSpeedFairCast of the trainer's engine
+        self._views = None  # the views of the measurement in progress (policy_scope)
 
     def begin(self, state, resume_dir: Optional[str]) -> None:
         from ...deepspeed import apply_deepspeed_patch
@@ -59,15 +61,23 @@ class DeepSpeedBackend(Backend):
     def check_policy_metrics(self, trainer_name: str) -> None:
         self.caster.policy_measured = True  # the copy-back patch then accepts the option (every ZeRO stage)
 
-    def policy_views(self):
-        from ...deepspeed.policy_views import deepspeed_policy_views
-
-        return deepspeed_policy_views(self.trainer.deepspeed)
-
+    @contextmanager
     def policy_scope(self):
-        from ...deepspeed.policy_views import probing
+        """One measurement's views of the engine (each layout built once:
+        :class:`~faircast_plugins.deepspeed.policy_views.DeepSpeedPolicyViews`), their scope yielding the probe's
+        swap."""
+        from ...deepspeed.policy_views import DeepSpeedPolicyViews
 
-        return probing(self.trainer.deepspeed)
+        self._views = DeepSpeedPolicyViews(self.trainer.deepspeed)
+        try:
+            with self._views.scope() as swap:
+                yield swap
+        finally:
+            self._views = None
+
+    def policy_views(self):
+        """``(served, master)`` of the measurement; only inside :meth:`policy_scope`."""
+        return self._views.served, self._views.master
 
     def saved_weights(self) -> str:
         return ("bf16 served copy (DeepSpeed's module weights; ZeRO-3 writes them only with "

@@ -227,23 +227,45 @@ def test_engine_export_refuses_a_start_it_cannot_anchor(fake):
         trainer.sync(export, 0)
 
 
-def test_report_pairs_a_coarse_aa_twin_with_its_arm(tmp_path):
+def test_report_of_the_draft_preset_adjusts_both_family_members_and_finds_the_coarse_aa_twin(tmp_path):
+    """The toy-coarse-grid preset's report (fake runs): both family members (coarse-sr - coarse-rtn, fresh - frozen)
+    appear in the declared orientation and are Holm-adjusted; coarse-sr-aa@S is coarse-sr@S's A/A twin."""
     from faircast_plugins.ab.protocol import METRICS, load
     from faircast_plugins.ab.report import build
 
-    arms = ["fp32-served", "coarse-rtn@16", "coarse-sr@16", "coarse-sr-aa@16"]
-    f = tmp_path / "p.json"
-    f.write_text(json.dumps({"name": "t", "compute": "fp32", "arms": arms, "baseline": "fp32-served",
-                             "seeds": [0, 1, 2], "pairs": [["coarse-sr@16", "coarse-rtn@16"],
-                                                           ["coarse-sr-aa@16", "coarse-sr@16"]],
-                             "family": [["master_expected", "coarse-sr@16", "coarse-rtn@16"]]}))
-    proto = load(path=str(f))
-    for arm, bump in zip(arms, (0.05, 0.0, 0.03, 0.0301)):
+    proto = load(preset="toy-coarse-grid")
+    s = next(parse_arm(a).coarse for a in proto.arms if parse_arm(a).coarse)
+    bumps = {f"coarse-rtn@{s}": 0.0, f"coarse-sr@{s}": 0.03, f"coarse-sr-aa@{s}": 0.0301, "fp32-served": 0.05,
+             "fp32-frozen": -0.08}
+    for arm in proto.arms:
         (tmp_path / "runs" / arm).mkdir(parents=True)
         for seed in proto.seeds:
-            ev = [{"step": 10, **{m: 0.1 + bump + 0.003 * seed for m in METRICS}}]
+            ev = [{"step": 300, **{m: 0.1 + bumps[arm] + 0.003 * (seed % 3) + 0.001 * (seed % 2) * (arm[-1] == "n")
+                                   for m in METRICS}}]
             (tmp_path / "runs" / arm / f"seed{seed}.json").write_text(json.dumps(
                 {"arm": arm, "seed": seed, "lr": 1e-4, "evals": ev, "steps": [{"step": 1, "reward": 0.1}]}))
-    build(str(tmp_path), proto, {"path": str(f), "sha256": "0" * 64}, None, [], {})
+    res = build(str(tmp_path), proto, {"path": proto.source, "sha256": "0" * 64}, None, [], {})
+    rows = {(c["a"], c["b"]): c for c in res["comparisons"]["master_expected"]}
+    for a, b in ((f"coarse-sr@{s}", f"coarse-rtn@{s}"), ("fp32-served", "fp32-frozen")):
+        assert rows[(a, b)]["mean_diff"] > 0 and not math.isnan(rows[(a, b)]["p_holm"])
+    assert math.isnan(rows[(f"coarse-sr-aa@{s}", f"coarse-sr@{s}")]["p_holm"])  # beside the family, not in it
     report = (tmp_path / "report.md").read_text()
-    assert "A/A control (coarse-sr-aa@16: coarse-sr@16 with another rounding seed)" in report
+    assert f"A/A control (coarse-sr-aa@{s}: coarse-sr@{s} with another rounding seed)" in report
+
+
+def test_toy_coarse_grid_draft_is_protocol_7s_recipe_with_the_coarse_arms():
+    """PROTOCOL-8's draft preset: PROTOCOL-7's recipe (toy-freshness-3) field for field, except the arms (one S for
+    the coarse pair and its A/A twin), the seeds, and the declared pairs and family (Holm over 2)."""
+    from faircast_plugins.ab.protocol import load
+
+    seven, eight = load(preset="toy-freshness-3").as_dict(), load(preset="toy-coarse-grid").as_dict()
+    assert {k for k in seven if seven[k] != eight[k]} == {"name", "description", "arms", "seeds", "pairs", "family"}
+    assert eight["description"].startswith("DRAFT")
+    scales = {parse_arm(a).coarse for a in eight["arms"]} - {0}
+    assert len(scales) == 1
+    s = scales.pop()
+    assert sorted(eight["arms"]) == sorted([f"coarse-rtn@{s}", f"coarse-sr@{s}", "fp32-served", "fp32-frozen",
+                                            f"coarse-sr-aa@{s}"])
+    assert eight["family"] == [["master_expected", f"coarse-sr@{s}", f"coarse-rtn@{s}"],
+                               ["master_expected", "fp32-served", "fp32-frozen"]]
+    assert eight["seeds"] == list(range(100, 108)) and eight["equivalence_margin"] == 0.01

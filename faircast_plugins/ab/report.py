@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence
 
 from ..lag_cost import WINDOW, LagCost, slope
 from . import stats
+from .arms import aa_twin, parse_arm
 from .protocol import DERIVED, METRICS, READOUTS
 
 #: Per-step logs averaged over a run, for the noise question: (logged key, summary name).
@@ -128,9 +129,9 @@ def _oriented(pairs: List[tuple], proto) -> List[tuple]:
 
 def _aa_pair(results: dict, proto) -> Optional[dict]:
     """The A/A control's comparison on the primary metric: ``faircast-aa`` vs ``faircast``, or any ``<arm>-aa``
-    (the same arm with other random draws) vs its ``<arm>``."""
+    (the same arm with other random draws; ``<arm>-aa@S`` for ``<arm>@S``) vs its ``<arm>``."""
     for c in results["comparisons"][proto.metric]:
-        if c["a"].endswith("-aa") and c["b"] == c["a"][:-3]:
+        if aa_twin(c["a"]) == c["b"]:
             return c
     return None
 
@@ -324,6 +325,7 @@ def markdown(results: dict, proto) -> str:
     if aa:
         aa = stats.PairResult.from_dict(aa)
         what = ("faircast with another Fair Cast seed" if aa.a == "faircast-aa"
+                else f"{aa.a}: {aa.b} with another rounding seed" if parse_arm(aa.a).seed_offset
                 else f"{aa.a}: {aa.b} with other draws")
         if math.isnan(aa.t_ci_low):
             lines += [f"A/A control ({what}): mean {100 * aa.mean_diff:+.3f} points over "

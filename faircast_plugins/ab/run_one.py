@@ -44,7 +44,8 @@ from ..cast import fair_cast
 from ..fp8 import quantized_by_engine, served_fp8
 from ..key import canonical_name, derive_key, sticky_key
 from ..vllm_cpu import keep_weights_reloadable
-from .arms import FP8_ENGINE, parse_arm
+from .arms import COARSE_EXPORTS, engine_record, parse_arm
+from .coarse_grid import coarse_served
 from .protocol import COMPUTE, READOUTS
 from .provenance import code_provenance, machine, versions
 from .request_seeds import READOUT, seed_every_request, seeded_params
@@ -101,7 +102,8 @@ class EngineExport:
         self.engine_dtype = getattr(torch, arm.engine_dtype)  # what the engine holds
         self.stage = fp8_engine_copy if arm.fp8 else _no_stage  # fp8 arms: verl's fp8 stage after the export
         self.audit = Audit(audit_sample)
-        self.history: "OrderedDict[int, Dict[str, torch.Tensor]]" = OrderedDict()  # fp32-delayed: step -> masters
+        # step -> masters: fp32-delayed's last steps; fp32-frozen's and the coarse arms' step-0 snapshot (kept once)
+        self.history: "OrderedDict[int, Dict[str, torch.Tensor]]" = OrderedDict()
         self.last_sent: List[Tuple[str, torch.Tensor]] = []  # the last sync, as sent: readouts restore it
         gen = trainer.vllm_generation
         self.original = gen._iter_named_params
@@ -114,15 +116,33 @@ class EngineExport:
         if self.arm.delay:
             snapshot = self.history[min(k for k in self.history if k >= step - self.arm.delay)]
             return snapshot[cname]
+        if self.arm.coarse:  # the emulated coarse grid about the step-0 master (coarse_grid)
+            mode = COARSE_EXPORTS[self.arm.export]
+            key = derive_key(self.fc_seed, step, cname) if mode == "stochastic" else None
+            return coarse_served(masters[cname], self.history[0][cname], self.arm.coarse, mode, key=key)
         if self.arm.export == "stochastic":
             return fair_cast(masters[cname].contiguous(), key=derive_key(self.fc_seed, step, cname))
         return exported
 
+    def _keep_start(self, step: int, masters: Dict[str, torch.Tensor]) -> None:
+        """The step-0 snapshot of fp32-frozen and of the coarse arms, taken at the first sync. A coarse arm's grid is
+        anchored at the bf16 warm start: its first sync must be step 0 and its masters then on the bf16 grid."""
+        self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
+        if not self.arm.coarse:
+            return
+        if step != 0:
+            raise RuntimeError(f"arm {self.arm.name}: the emulated grid is anchored at the step-0 master, but the "
+                               f"first weight sync came at step {step} (a resumed run cannot rebuild w0)")
+        off = [n for n, t in masters.items() if not torch.equal(t.to(torch.bfloat16).to(t.dtype), t)]
+        if off:
+            raise ValueError(f"arm {self.arm.name}: the emulated grid needs a warm start on the bf16 grid (saved in "
+                             f"bf16), but the step-0 master of {off[:3]} is not; use a bf16 warm start")
+
     def iterate(self, *args, **kwargs) -> Iterator[Tuple[str, torch.Tensor]]:
         step = self.trainer.state.global_step
         masters = _masters(self.trainer)
-        if self.arm.frozen and not self.history:
-            self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
+        if (self.arm.frozen or self.arm.coarse) and not self.history:
+            self._keep_start(step, masters)
         if self.arm.delay and step not in self.history:
             self.history[step] = {n: t.detach().clone() for n, t in masters.items()}
             while len(self.history) > self.arm.delay + 1:
@@ -400,7 +420,7 @@ def run(spec: dict) -> dict:
     evaluator = EngineEval(trainer, enc, model_dir, seed, arm.engine_dtype, export.stage)
     trainer.train()
     return {"spec": {k: v for k, v in spec.items() if k not in ("train", "heldout")}, "arm": arm.name,
-            "seed": seed, "lr": lr, "compute": compute, "engine": FP8_ENGINE if arm.fp8 else arm.engine_dtype,
+            "seed": seed, "lr": lr, "compute": compute, "engine": engine_record(arm),
             "mixed_precision": mixed, "started": started, "code": code, "code_at_end": code_provenance(),
             "versions": versions(), "machine": machine(), "trl_config": _jsonable(config.to_dict()),
             "steps": records, "evals": evals, "wall_s": time.time() - start}

@@ -38,3 +38,21 @@ def test_one_rank_zero12_layout_reads_the_masters_from_the_flat_partition(monkey
 def test_a_partition_not_laid_out_as_read_is_refused():
     with pytest.raises(FairCastPatchError, match="policy_metrics_every=0"):
         mw.Zero12Layout(_optimizer(partition_numel=11)[1])
+
+
+def test_offsets_past_2_to_the_32_are_exact():
+    """A flat layout of 2^32 + 16 elements (meta tensors: nothing allocated): the parameter at offset 2^32 + 8 gets
+    its own window at exactly that offset, and its master is read from exactly there (no int32 or float rounding
+    of positions on the way)."""
+    big = (1 << 32) + 16
+    params = [torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta")),
+              torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="meta"))]
+    opt = SimpleNamespace(
+        bit16_groups_flat=[torch.zeros(big, dtype=torch.bfloat16, device="meta")], real_dp_process_group=[None],
+        single_partition_of_fp32_groups=[torch.zeros(big, dtype=torch.float32, device="meta")],
+        round_robin_bit16_groups=[params], round_robin_bit16_offsets=[[0, (1 << 32) + 8]])
+    windows = mw.MasterWindows(mw.Zero12Layout(opt))
+    assert windows.where[id(params[1])] == (0, (1 << 32) + 8, (1 << 32) + 11)
+    master = windows(params[1])
+    assert master.shape == (3,) and master.storage_offset() == (1 << 32) + 8
+    assert windows(params[0]).storage_offset() == 0 and windows.loads == 2

@@ -148,11 +148,10 @@ def gathered_group(group) -> List[torch.Tensor]:
     pg = group.mesh_info.shard_process_group
     world = torch.distributed.get_world_size(pg)
     shards = [p._sharded_param_data for p in params]
+    shards = [s if s.device == device else s.to(device) for s in shards]  # a host shard (CPU offload): moved
     if world == 1:
-        return [s.view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]] if s.device == device else
-                s.to(device).view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]]
-                for p, s in zip(params, shards)]
-    flat = torch.cat([s if s.device == device else s.to(device) for s in shards])
+        return [s.view(p.padded_sharded_param_size)[: p.sharded_param.shape[0]] for p, s in zip(params, shards)]
+    flat = torch.cat(shards)
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=device)
     _all_gather(out, flat, pg)
     out = out.view(world, flat.numel())

@@ -458,8 +458,7 @@ def gather_rows(rows: torch.Tensor, device=None, group=None) -> torch.Tensor:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return rows
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+    dev = torch.device(device) if device is not None else _collective_device()
     count = torch.tensor([rows.shape[0]], device=dev)
     counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, count, group=group)

@@ -239,7 +239,7 @@ def tests_verl_torch(session: nox.Session, torch: str) -> None:
     session.install("-U", "pip")
     session.install(f"torch=={torch}", *VERL_DEPS)
     session.install("--no-deps", "verl==0.9.1")
-    session.install("--no-deps", "-e", ".")
+    session.install("-e", ".")  # with its dependencies: numba, the CPU kernel users get
     config = "tests/verl/test_config.py::"  # the other config tests do not depend on torch
     workers = [f"tests/verl/{t}.py" for t in ("test_worker_fsdp", "test_worker_stateful", "test_worker_exports",
                                               "test_worker_policy", "test_fsdp_helpers", "test_fsdp_policy")]

@@ -16,6 +16,7 @@ from torch import nn
 
 from faircast_plugins import FairCaster, FairCastConfig
 from faircast_plugins.policy_lag import PolicyLagProbe, served_weight, summarize, weights_swapped
+from tests.rank_exit import exit_rank
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -253,8 +254,10 @@ def _rank(rank: int, world: int, store: str, outdir: str, cases: list):
     try:
         out = {_case_id(case): _measure_case(rank, case) for case in cases}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_rank()  # no interpreter finalization: a gloo thread alive past destroy_process_group aborted it (CI stop 41)
 
 
 def _reference(case: dict, world: int, served_on: bool) -> torch.Tensor:

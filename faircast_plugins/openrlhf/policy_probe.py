@@ -9,10 +9,14 @@ before the update, the first ``seqs`` sequences are scored under both views of t
 (:mod:`faircast_plugins.deepspeed.policy_views`: the module's bf16 weight, i.e. the served copy, and DeepSpeed's fp32
 master). Served copy and master are then the same weight version.
 
-The tokens: ``sequences`` ``[B, T]`` (left-padded prompt + response), ``attention_mask`` ``[B, T]`` and ``action_mask``
-``[B, A]`` over the last ``A`` positions, scored like ``Actor.forward``: positions from the attention mask, logits at
-``--rollout.temperature``; tokens outside ``action_mask`` do not count. Every rank runs the probe on the same step
-(the master view and ZeRO-3's gathers are collectives; OpenRLHF gives every rank the same number of micro-batches).
+The tokens, scored like ``Actor.forward``: ``sequences`` ``[B, T]``, attended by the Experience's ``attention_mask``
+``[B, T]`` (every prompt, action and observation token; 0 only on padding), positions from that mask, logits at
+``--rollout.temperature``; counted by ``action_mask`` ``[B, A]``, which covers the last ``A`` tokens. In 0.11.2
+(``SamplesGenerator._process_response_into_experience``) ``A = T - 1``: the mask spans the whole sequence after its
+first token, 0 on the prompt and on the observations between a multi-turn rollout's actions. So the probe's "prompt" is
+the first ``T - A`` tokens, and what it attends never comes from ``action_mask`` (which would hide the prompt and the
+observations from the context). Every rank runs the probe on the same step (the master view and ZeRO-3's gathers are
+collectives; OpenRLHF gives every rank the same number of micro-batches).
 
 Logged: :func:`take_metrics` (from the patched ``fit``) adds the rows gathered over ranks to the status dict
 ``fit`` returns, which OpenRLHF's trainer logs like the ``--faircast.audit`` metrics.
@@ -61,12 +65,13 @@ def measure(engine, experience, temperature: float) -> None:
     from ..deepspeed.policy_views import DeepSpeedPolicyViews
 
     sequences, attention_mask, action_mask = experience.sequences, experience.attention_mask, experience.action_mask
-    actions = action_mask.shape[1]
+    actions = action_mask.shape[1]  # the last tokens (0.11.2: all but the first); attended by attention_mask
     views = DeepSpeedPolicyViews(engine)  # this measurement's: each layout built once
     with views.scope() as swap:
         probe.measure(engine.module, step, sequences[:, :-actions], attention_mask[:, :-actions],
-                      sequences[:, -actions:], action_mask.long(), served=views.served, master=views.master,
-                      temperature=temperature, mask_positions=True, collective=True, swap=swap)
+                      sequences[:, -actions:], attention_mask[:, -actions:], count_mask=action_mask.long(),
+                      served=views.served, master=views.master, temperature=temperature, mask_positions=True,
+                      collective=True, swap=swap)
 
 
 def install(policy_actor) -> None:

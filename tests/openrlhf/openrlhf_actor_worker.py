@@ -6,8 +6,9 @@
 --faircast.policy_metrics_seqs 2 --rollout.temperature TEMPERATURE`` (also with ``off``: then only the probe is
 attached) and trains through the probe's wrapper of ``ActorPPOTrainer.training_step`` (:mod:`faircast_plugins.openrlhf.
 policy_probe`'s ``install``, as the Ray actor's init installs it), recording each measurement's tokens, rows and the
-two weight views as the probe's forwards read them. The batch left-pads its second sequence and ends the first
-one's response early.
+two weight views as the probe's forwards read them. The batch is in OpenRLHF 0.11.2's own layout, built by its own
+functions (:mod:`experiences`): the first sample is multi-turn (prompt, action, observation, action), the second is
+shorter (right-padded); ``action_mask`` is ``[B, T-1]``, 0 on the prompt and the observation.
 
 Trains a tiny Qwen2 (bf16, built on the fly) for a few PPO steps the way ``ActorPPOTrainer.training_step``
 does (old log-probs from the eval forward, new log-probs, ``PolicyLoss``, ``strategy.backward`` and
@@ -39,6 +40,7 @@ sys.path.append(os.path.dirname(HERE))  # tests/, last (its folders are named li
 import shims  # noqa: E402
 
 shims.install()
+from experiences import experience_batch  # noqa: E402
 
 SEED = 1234
 STEPS = 3
@@ -214,12 +216,13 @@ def main(out_file: str, stage: int, flag: str, policy: bool = False) -> None:
     loss_fn = PolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
                          token_level_loss=args.actor.loss_agg_mode == "token-mean")
     g = torch.Generator().manual_seed(3)
-    sequences = torch.randint(0, 320, (2, 12), generator=g)
-    attention_mask = torch.ones_like(sequences)
-    attention_mask[1, :2] = 0  # a left-padded prompt
-    action_mask = torch.ones(2, 4, dtype=torch.bool)
-    action_mask[0, -1] = False  # a response that ended early
-    advantages = torch.randn(2, 4, generator=g)
+    words = torch.randint(2, 320, (21,), generator=g).tolist()
+    experience = experience_batch([
+        [(words[:3], False), (words[3:5], True), (words[5:7], False), (words[7:10], True)],  # 5 action tokens
+        [(words[10:14], False), (words[14:16], True)],  # 2 action tokens, right-padded to 10
+    ])
+    sequences, attention_mask = experience.sequences, experience.attention_mask
+    advantages = torch.randn(*experience.action_mask.shape, generator=g)
 
     record = {"served": [], "masters": [], "trainer_logits": [], "served_logits": [], "versions": [], "metrics": [],
               "zero_stage": engine.zero_optimization_stage(), "ema_decay": args.faircast.ema_decay}
@@ -237,9 +240,6 @@ def main(out_file: str, stage: int, flag: str, policy: bool = False) -> None:
         strategy.backward(loss, actor, optim)
         strategy.optimizer_step(optim, actor, sched)
 
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    experience = Experience(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask)
     record["probes"] = []
     if policy:  # as PolicyModelActor.init_model_from_pretrained installs it on its ActorPPOTrainer
         from types import SimpleNamespace

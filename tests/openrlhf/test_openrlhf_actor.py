@@ -178,7 +178,7 @@ def test_policy_metrics_equal_a_one_process_reference(runs, key):
         tol = dict(rtol=1e-3, atol=1e-5) if stage == 3 else dict(rtol=1e-5, atol=1e-9)
         ref = _reference_rows(probe)
         assert torch.allclose(probe["rows"], ref, **tol), (step, probe["rows"], ref)
-        assert metrics[TOKENS_KEY] == 7.0  # 3 + 4 response tokens: the action mask counts
+        assert metrics[TOKENS_KEY] == 7.0  # 5 + 2 action tokens: the action mask counts (no prompt, observation, pad)
         assert {k: v for k, v in metrics.items() if k.startswith("faircast/policy")} == metrics_of(probe["rows"])
     assert rec["metrics"][0]["faircast/policy_kl"] == 0.0  # version 0: the masters are the bf16 checkpoint
     assert all(m["faircast/policy_kl"] > 0 for m in rec["metrics"][1:])

@@ -35,13 +35,15 @@ from ..config import FairCastConfig
 from ..patching import FairCastPatchError
 from ..policy_lag import PolicyLagProbe, gather_rows, metrics_of
 from .backends import INFO_FILE, Backend, backend_for
-from .refusals import check_optimizer
+from .refusals import check_optimizer, check_policy_text_only
 
 
 class FairCastCallback(TrainerCallback):
     """Serves ``fair_cast(master)`` to every forward and to the rollout engine, through the trainer's backend."""
 
     def __init__(self, trainer, config: FairCastConfig):
+        if config.measures_policy:
+            check_policy_text_only(type(trainer).__name__, trainer)
         self.trainer = trainer
         self.config = config
         self.caster = FairCaster(config)
@@ -172,17 +174,21 @@ class FairCastCallback(TrainerCallback):
     def measure_policy(self, inputs, step: int, temperature: float) -> None:
         """From the patched ``compute_loss``: on optimizer steps that are multiples of N, score the first sequences of
         ``inputs`` (``prompt_ids``/``prompt_mask``/``completion_ids``/``completion_mask``) under the served copy and the
-        master (:meth:`Backend.policy_views`)."""
+        master (:meth:`Backend.policy_views`).
+
+        Attended as TRL's own forward attends (``cat(prompt_mask, completion_mask)``, tool results included); counted
+        as its loss counts (``completion_mask * tool_mask``: a tool's output is context, not a sampled token). A batch
+        with images is refused (:func:`~.refusals.check_policy_text_only`)."""
         if self.policy is None or not self.policy.due(step):
             return
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:  # tokens the loss does not train (tool outputs) do not count
-            mask = mask * inputs["tool_mask"]
+        check_policy_text_only(type(self.trainer).__name__, inputs=inputs)
+        attend = inputs["completion_mask"]
+        count = attend * inputs["tool_mask"] if "tool_mask" in inputs else None
         with self.backend.policy_scope() as swap:
             served, master = self.backend.policy_views()
             self.policy.measure(self.backend.model(), step, inputs["prompt_ids"], inputs["prompt_mask"],
-                                inputs["completion_ids"], mask, served=served, master=master, temperature=temperature,
-                                collective=self.backend.policy_collective, swap=swap)
+                                inputs["completion_ids"], attend, count_mask=count, served=served, master=master,
+                                temperature=temperature, collective=self.backend.policy_collective, swap=swap)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_state(self, output_dir: str) -> None:

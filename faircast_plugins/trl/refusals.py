@@ -3,7 +3,8 @@ not the served one, refused with a message naming the option and what to use ins
 
 :func:`check_args` decides from the trainer's arguments (before any model or engine is built), :func:`check_trainer`
 from the built trainer, :func:`check_engine_dtype` from a colocated vLLM engine, :func:`check_optimizer` from the
-optimizer that ``train()`` builds. The patches (:mod:`.patches`) and the callback call them; they import nothing of
+optimizer that ``train()`` builds, :func:`check_policy_text_only` (the policy metrics) from the built trainer and from
+each batch they score. The patches (:mod:`.patches`) and the callback call them; they import nothing of
 either.
 """
 from __future__ import annotations
@@ -184,3 +185,25 @@ def check_trainer(trainer_name: str, trainer: Any) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     if hasattr(model, "peft_config"):
         raise FairCastUnsupportedError(_PEFT_REFUSAL.format(trainer=trainer_name))
+
+
+#: the batch keys through which TRL 1.16's GRPO / RLOO give a vision-language policy its images (``_generate_and_score_
+#: completions``' output, which ``compute_loss`` passes to the model's forward)
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                     "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles",
+                     "pixel_values_videos", "video_grid_thw")
+
+
+def check_policy_text_only(trainer_name: str, trainer: Any = None, inputs: Any = None) -> None:
+    """Refuse ``faircast_policy_metrics_every`` for a vision-language policy: the probe's forwards pass only the token
+    ids and their masks, so they would score the image placeholder tokens as text, without the images, and the
+    metrics would be wrong with no error. Decided from the built trainer (TRL's ``_is_vlm``: a ``ProcessorMixin``
+    processing class) and, in case it was not recognisable there, from each batch the probe scores."""
+    keys = [k for k in MULTIMODAL_INPUTS if inputs is not None and k in inputs]
+    if getattr(trainer, "_is_vlm", False) or keys:
+        why = f"the batch carries {', '.join(keys)}" if keys else "its processing_class is a processor (a VLM)"
+        raise FairCastUnsupportedError(
+            f"{trainer_name}(faircast_policy_metrics_every=...) is not supported for vision-language policies ({why}): "
+            f"the policy metrics score the text tokens without the images, so their values would be wrong. Set "
+            f"faircast_policy_metrics_every=0 for this model (faircast_audit measures the lag in weight space)."
+        )

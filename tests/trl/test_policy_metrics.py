@@ -97,3 +97,68 @@ def test_deepspeed_marks_the_caster_at_every_zero_stage():
         ok = DeepSpeedBackend(trainer, FairCaster(FairCastConfig(policy_metrics_every=3)))
         ok.check_policy_metrics("GRPOTrainer")
         assert ok.caster.policy_measured and ok.policy_collective  # apply_deepspeed_patch accepts the option
+
+
+class _CapturingProbe:
+    """Stands in for PolicyLagProbe: records what measure_policy hands it (always due)."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def due(self, step):
+        return True
+
+    def measure(self, model, step, prompt_ids, prompt_mask, completion_ids, completion_mask, **kw):
+        self.seen.update(attention=torch.cat([prompt_mask, completion_mask], 1), count_mask=kw.get("count_mask"))
+
+
+def _callback_stub(trainer=None):
+    """Just what FairCastCallback.measure_policy reads: the probe, the backend's views and scope, the trainer."""
+    import contextlib
+    from types import SimpleNamespace
+
+    backend = SimpleNamespace(policy_scope=lambda: contextlib.nullcontext(None), policy_views=lambda: (None, None),
+                              model=lambda: None, policy_collective=False)
+    return SimpleNamespace(policy=_CapturingProbe(), backend=backend,
+                           trainer=trainer if trainer is not None else SimpleNamespace())
+
+
+def _tool_batch():
+    return {"prompt_ids": torch.tensor([[5, 6, 7]]), "prompt_mask": torch.ones(1, 3, dtype=torch.long),
+            "completion_ids": torch.tensor([[8, 9, 10, 11, 12, 13, 0]]),
+            "completion_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0]]),
+            "tool_mask": torch.tensor([[1, 1, 0, 0, 1, 1, 1]])}  # tokens 10, 11: a tool's result; the last: padding
+
+
+def test_tool_results_are_attended_and_not_counted():
+    """TRL's forward attends cat(prompt_mask, completion_mask) (grpo_trainer: tool results in the context; tool_mask only
+    in the loss): the probe's forwards attend the same, and count completion_mask * tool_mask (before: the tool results
+    were masked out of the attention, so every token after a tool call was scored without its output)."""
+    from faircast_plugins.trl.callback import FairCastCallback
+
+    stub, inputs = _callback_stub(), _tool_batch()
+    FairCastCallback.measure_policy(stub, inputs, 0, 1.0)
+    seen = stub.policy.seen
+    assert torch.equal(seen["attention"], torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1))
+    assert torch.equal(seen["count_mask"], inputs["completion_mask"] * inputs["tool_mask"])
+    del inputs["tool_mask"]  # no tools: attended and counted alike (count_mask defaults to the completion mask)
+    FairCastCallback.measure_policy(stub, inputs, 0, 1.0)
+    assert seen["count_mask"] is None and torch.equal(seen["attention"][:, 3:], inputs["completion_mask"])
+
+
+def test_vision_language_policies_are_refused_naming_the_option():
+    """A VLM's batch carries its images (pixel_values, image_grid_thw, ...), which the probe's text-only forwards would
+    drop: refused at construction when TRL recognises a VLM (a processor as processing_class: ``_is_vlm``), else at the
+    first measurement, naming the option."""
+    from types import SimpleNamespace
+
+    from faircast_plugins import FairCastConfig
+    from faircast_plugins.trl.callback import FairCastCallback
+
+    with pytest.raises(FairCastPatchError, match=r"not supported for vision-language.*faircast_policy_metrics_every=0"):
+        FairCastCallback(SimpleNamespace(_is_vlm=True), FairCastConfig(policy_metrics_every=1))
+    stub = _callback_stub()
+    inputs = {**_tool_batch(), "pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    with pytest.raises(FairCastPatchError, match=r"pixel_values, image_grid_thw.*faircast_policy_metrics_every=0"):
+        FairCastCallback.measure_policy(stub, inputs, 0, 1.0)
+    assert stub.policy.seen == {}

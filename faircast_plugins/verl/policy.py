@@ -90,7 +90,21 @@ def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:
 
 
 def _device(module) -> torch.device:
-    """Where the module's (loaded) shards live: the probe's inputs go there."""
+    """Where FSDP computes the module's forward: the probe's inputs go there. Not where the shards are stored: with
+    CPU offload (FSDP2's ``CPUOffloadPolicy``, verl's ``actor.fsdp_config.offload_policy``; FSDP1's
+    ``CPUOffload``) they stay on the host, and the master forward runs without FSDP's hook that would move the
+    inputs. FSDP2: its state's device (the mesh's); FSDP1: the unit's ``compute_device``; neither (or FSDP1 before
+    its lazy init): the first parameter's local tensor."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..fsdp_policy import fsdp1_modules
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            return m._get_fsdp_state()._device
+    for unit in fsdp1_modules(module):
+        if getattr(unit, "compute_device", None) is not None:
+            return unit.compute_device
     p = next(module.parameters())
     return (p.to_local() if hasattr(p, "to_local") else p).device
 

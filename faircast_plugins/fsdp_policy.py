@@ -30,7 +30,8 @@ bytes gathered per parameter instead of 8 (benchmarks/step/results/fsdp2_policy_
 
 Memory: FSDP2, one unit's fp32 full masters (twice while its gathered buffer is laid out) beside the root's (FSDP's
 served forward: its bf16 unsharded unit, as in training); FSDP1, one unit's fp32 unsharded flat parameter instead of
-its bf16 one (twice its bytes) during the master forward.
+its bf16 one (twice its bytes) during the master forward, beside the root's (whatever the sharding strategy:
+SHARD_GRAD_OP's units are freed after their forwards too).
 """
 from __future__ import annotations
 
@@ -259,16 +260,23 @@ def _reshard_fsdp1(units) -> None:
 @contextmanager
 def _fsdp1_full_precision(units):
     """Inside (with the modules in eval mode): FSDP1's unshard gathers the fp32 flat shards, so each module's
-    attributes during its forward are views of the full fp32 masters; the full-precision buffers are freed after."""
+    attributes during its forward are views of the full fp32 masters; each non-root unit's fp32 unsharded flat
+    parameter is freed after its forward whatever the sharding strategy (FSDP1 frees it itself only for FULL_SHARD
+    and HYBRID_SHARD: with SHARD_GRAD_OP, verl's ``reshard_after_forward: false``, every unit's would stay, the whole
+    model in fp32), the root's after the forward."""
     handles = [u._handle for u in units if u._handle is not None]
     saved = [(obj, obj._use_full_prec_in_eval) for obj in list(units) + handles]
     _reshard_fsdp1(units)
     for obj, _ in saved:
         obj._use_full_prec_in_eval = True
+    hooks = [u.register_forward_hook(lambda unit, args, output: _reshard_fsdp1([unit]))
+             for u in units if not getattr(u, "_is_root", False)]
     try:
         yield
     finally:
         try:
+            for hook in hooks:
+                hook.remove()
             _reshard_fsdp1(units)  # with the flag still on: the fp32 buffers
         finally:
             for obj, value in saved:

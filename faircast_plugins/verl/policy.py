@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..patching import FairCastPatchError
 from ..policy_lag import PolicyLagProbe, gather_rows, metrics_of
 
 
@@ -63,12 +64,34 @@ def _padded(rows: list, width: int, left: bool, ones: bool = False) -> torch.Ten
     return out
 
 
+#: the option that turns the probe on (what a refusal tells the user to remove)
+OPTION = "actor_rollout_ref.faircast.policy_metrics_every"
+
+
+def _refuse_vision_language(data) -> None:
+    """The probe's forward takes ids and attention masks only: a vision-language batch (``multi_modal_inputs``, or
+    mrope's multi-dimensional ``position_ids``) would be scored without its images, its placeholders as text."""
+    keys = set(data.keys())
+    what = None
+    if "multi_modal_inputs" in keys:
+        what = "multi_modal_inputs (images or video)"
+    elif "position_ids" in keys and data["position_ids"].dim() > 2:
+        what = f"{data['position_ids'].dim()}-dimensional position_ids (mrope)"
+    if what is not None:
+        raise FairCastPatchError(
+            f"{OPTION}: this batch carries {what}: a vision-language policy, which the probe (the HF model's forward "
+            f"on ids and attention masks only) would score without its images. Not supported on verl's FSDP "
+            f"engines; remove {OPTION} (Fair Cast itself is unaffected).")
+
+
 def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:
     """The first ``seqs`` sequences of a verl training batch (the worker's ``TensorDict``, after verl's no-padding
     conversion or before it) as the probe's padded tensors: ``prompt_ids``/``prompt_mask`` (left-padded),
     ``completion_ids``/``completion_mask`` (right-padded; the response's attention mask) and ``count_mask`` (the
     response tokens the loss trains: ``response_mask``). Padded ``prompts``/``responses`` take their masks from
-    ``attention_mask``; nested (jagged) ones are their own valid tokens."""
+    ``attention_mask``; nested (jagged) ones are their own valid tokens. A vision-language batch is refused
+    (:class:`FairCastPatchError`)."""
+    _refuse_vision_language(data)
     prompts, responses = data["prompts"], data["responses"]
     if prompts.is_nested or responses.is_nested:
         p_rows, r_rows = _rows(prompts, seqs), _rows(responses, seqs)

@@ -142,3 +142,31 @@ def test_the_probe_batch_goes_to_fsdps_compute_device_not_where_offloaded_shards
     module = _fsdp_stub(kind, torch.device("meta"))
     assert next(module.parameters()).device.type == "cpu"
     assert _device(module) == torch.device("meta")
+
+
+@pytest.mark.parametrize("extra", ["multi_modal_inputs", "mrope_position_ids", "nested_mrope_position_ids"])
+def test_a_vision_language_batch_is_refused_at_the_first_measurement(extra):
+    """M3: the probe's forward passes only ids and the attention mask, so a vision-language batch (images in
+    ``multi_modal_inputs``, mrope's ``[B, 3|4, T]`` position ids) would be scored as text: refused, naming the
+    option; a text batch with ``[B, T]`` position ids is not."""
+    from tensordict import TensorDict
+
+    from faircast_plugins.patching import FairCastPatchError
+    from faircast_plugins.verl.policy import probe_batch
+
+    text = {"prompts": torch.tensor([[1, 2], [3, 4]]), "responses": torch.tensor([[5, 6], [7, 8]]),
+            "attention_mask": torch.ones(2, 4, dtype=torch.long), "response_mask": torch.ones(2, 2, dtype=torch.long),
+            "position_ids": torch.arange(4).expand(2, 4)}
+    probe_batch(TensorDict(text, batch_size=[2]), 2)
+    data = TensorDict(text, batch_size=[2])
+    if extra == "multi_modal_inputs":
+        from tensordict import NonTensorStack
+
+        data["multi_modal_inputs"] = NonTensorStack({"pixel_values": torch.zeros(4, 3)}, {})
+    elif extra == "mrope_position_ids":
+        data["position_ids"] = torch.arange(4).expand(2, 4, 4)
+    else:
+        data["position_ids"] = torch.nested.as_nested_tensor([torch.arange(8).view(4, 2), torch.arange(12).view(4, 3)],
+                                                             layout=torch.jagged)
+    with pytest.raises(FairCastPatchError, match="policy_metrics_every"):
+        probe_batch(data, 2)

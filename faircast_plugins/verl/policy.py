@@ -81,7 +81,7 @@ def _refuse_vision_language(data) -> None:
         raise FairCastPatchError(
             f"{OPTION}: this batch carries {what}: a vision-language policy, which the probe (the HF model's forward "
             f"on ids and attention masks only) would score without its images. Not supported on verl's FSDP "
-            f"engines; remove {OPTION} (Fair Cast itself is unaffected).")
+            f"engines; remove {OPTION}.")
 
 
 def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:

@@ -73,7 +73,7 @@ def _masters(tied: bool):
     return model
 
 
-def _wrap(model, kind: str, strategy: str = "FULL_SHARD"):
+def _wrap(model, kind: str, strategy: str = "FULL_SHARD", full_prec_eval: bool = False):
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
     if kind == "fsdp2":
@@ -87,13 +87,22 @@ def _wrap(model, kind: str, strategy: str = "FULL_SHARD"):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from torch.distributed.fsdp import ShardingStrategy
-
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp1_orig",
-                sharding_strategy=ShardingStrategy[strategy], mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                               buffer_dtype=torch.float32), device_id=torch.device("cpu"))
+    saved = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL")
+    if full_prec_eval:  # FSDP1 reads it when it wraps: the units' eval-mode unshard in fp32
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp1_orig",
+                    sharding_strategy=ShardingStrategy[strategy],
+                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                   buffer_dtype=torch.float32), device_id=torch.device("cpu"))
+    finally:
+        if saved is None:
+            os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)
+        else:
+            os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = saved
 
 
 def _shards(model) -> list:
@@ -205,7 +214,8 @@ def _measure_case(rank: int, case: dict) -> dict:
     from faircast_plugins.fsdp_policy import FSDPPolicyViews
     from faircast_plugins.policy_lag import gather_rows
 
-    model = _wrap(_masters(case["tied"]), case["kind"], case.get("strategy", "FULL_SHARD"))
+    model = _wrap(_masters(case["tied"]), case["kind"], case.get("strategy", "FULL_SHARD"),
+                  case.get("full_prec_eval", False))
     caster = FairCaster(FairCastConfig(enabled=case["on"], seed=SEED, mode=case.get("mode", "stochastic")))
     batch = _batch(rank)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -288,7 +298,9 @@ def _reference(case: dict, world: int, served_on: bool) -> torch.Tensor:
 
 CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, tied=True),
          dict(kind="fsdp1", on=True, tied=False), dict(kind="fsdp1_orig", on=False, tied=False),
-         dict(kind="fsdp1_orig", on=True, tied=True), dict(kind="fsdp1", on=False, tied=True),
+         # FSDP_USE_FULL_PREC_IN_EVAL=1: FSDP1's eval forward would run on the fp32 masters, the served view too
+         dict(kind="fsdp1_orig", on=True, tied=True, full_prec_eval=True),
+         dict(kind="fsdp1", on=False, tied=True, full_prec_eval=True),
          # verl's reshard_after_forward: false (FSDP1 keeps every non-root unit unsharded after its forward)
          dict(kind="fsdp1", on=True, tied=False, strategy="SHARD_GRAD_OP"),
          dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP")]
@@ -300,7 +312,8 @@ _RUNS: dict = {}
 def _case_id(case: dict) -> str:
     mode = f"-{case['mode']}" if "mode" in case else ""
     strategy = f"-{case['strategy']}" if "strategy" in case else ""
-    return f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}"
+    full = "-full_prec_eval" if case.get("full_prec_eval") else ""
+    return f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}{full}"
 
 
 def _run(case: dict, world: int) -> list:

@@ -65,7 +65,7 @@ def _padded(rows: list, width: int, left: bool, ones: bool = False) -> torch.Ten
 
 
 #: the option that turns the probe on (what a refusal tells the user to remove)
-OPTION = "actor_rollout_ref.faircast.policy_metrics_every"
+POLICY_OPTION = "actor_rollout_ref.faircast.policy_metrics_every"
 
 
 def _refuse_vision_language(data) -> None:
@@ -79,9 +79,9 @@ def _refuse_vision_language(data) -> None:
         what = f"{data['position_ids'].dim()}-dimensional position_ids (mrope)"
     if what is not None:
         raise FairCastPatchError(
-            f"{OPTION}: this batch carries {what}: a vision-language policy, which the probe (the HF model's forward "
-            f"on ids and attention masks only) would score without its images. Not supported on verl's FSDP "
-            f"engines; remove {OPTION}.")
+            f"{POLICY_OPTION}: this batch carries {what}: a vision-language policy, which the probe (the HF "
+            f"model's forward on ids and attention masks only) would score without its images. Not supported on "
+            f"verl's FSDP engines; remove {POLICY_OPTION}.")
 
 
 def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:
@@ -116,8 +116,8 @@ def _device(module) -> torch.device:
     """Where FSDP computes the module's forward: the probe's inputs go there. Not where the shards are stored: with
     CPU offload (FSDP2's ``CPUOffloadPolicy``, verl's ``actor.fsdp_config.offload_policy``; FSDP1's
     ``CPUOffload``) they stay on the host, and the master forward runs without FSDP's hook that would move the
-    inputs. FSDP2: its state's device (the mesh's); FSDP1: the unit's ``compute_device``; neither (or FSDP1 before
-    its lazy init): the first parameter's local tensor."""
+    inputs. FSDP2: its state's device (the mesh's); FSDP1: the unit's ``compute_device``; neither: the first
+    parameter's local tensor."""
     from torch.distributed.fsdp import FSDPModule
 
     from ..fsdp_policy import fsdp1_modules

@@ -16,7 +16,8 @@ FSDP2 (``fully_shard``)
     (:func:`full_master`) inside FSDP's forward, as before.
 FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True or False)
     served view: the unit's bf16 unsharded views (the patched low-precision shard, or round to nearest) widened to
-    fp32 around each module's forward; master view: FSDP1's own full-precision eval unshard (what
+    fp32 around each module's forward (FSDP1's low-precision unshard, forced even where ``FSDP_USE_FULL_PREC_IN_EVAL=1``
+    would make its eval forward gather the fp32 masters); master view: FSDP1's own full-precision eval unshard (what
     ``summon_full_params`` uses), which gathers the fp32 flat shards instead of the bf16 ones, one unit at a time.
 
 Both forwards run in fp32: inside :func:`policy_scope` FSDP's casts of forward inputs to ``param_dtype`` (FSDP2's
@@ -30,7 +31,8 @@ bytes gathered per parameter instead of 8 (benchmarks/step/results/fsdp2_policy_
 
 Memory: FSDP2, one unit's fp32 full masters (twice while its gathered buffer is laid out) beside the root's (FSDP's
 served forward: its bf16 unsharded unit, as in training); FSDP1, one unit's fp32 unsharded flat parameter instead of
-its bf16 one (twice its bytes) during the master forward.
+its bf16 one (twice its bytes) during the master forward, beside the root's (whatever the sharding strategy:
+SHARD_GRAD_OP's units are freed after their forwards too).
 """
 from __future__ import annotations
 
@@ -257,19 +259,28 @@ def _reshard_fsdp1(units) -> None:
 
 
 @contextmanager
-def _fsdp1_full_precision(units):
-    """Inside (with the modules in eval mode): FSDP1's unshard gathers the fp32 flat shards, so each module's
-    attributes during its forward are views of the full fp32 masters; the full-precision buffers are freed after."""
+def _fsdp1_precision(units, full: bool):
+    """Inside (with the modules in eval mode): FSDP1's unshard gathers the fp32 flat shards (``full``: the master
+    view, each module's attributes during its forward are views of the full fp32 masters) or the low-precision ones
+    (the served view), whatever ``FSDP_USE_FULL_PREC_IN_EVAL`` set when FSDP1 wrapped the model (with it, FSDP1's own
+    eval forward would serve the fp32 masters: KL 0). Each non-root unit's unsharded flat parameter is freed after its
+    forward whatever the sharding strategy (FSDP1 frees it itself only for FULL_SHARD and HYBRID_SHARD: with
+    SHARD_GRAD_OP, verl's ``reshard_after_forward: false``, every unit's fp32 copy would stay, the whole model in
+    fp32), the root's after the forward."""
     handles = [u._handle for u in units if u._handle is not None]
     saved = [(obj, obj._use_full_prec_in_eval) for obj in list(units) + handles]
     _reshard_fsdp1(units)
     for obj, _ in saved:
-        obj._use_full_prec_in_eval = True
+        obj._use_full_prec_in_eval = full
+    hooks = [u.register_forward_hook(lambda unit, args, output: _reshard_fsdp1([unit]))
+             for u in units if not getattr(u, "_is_root", False)]
     try:
         yield
     finally:
         try:
-            _reshard_fsdp1(units)  # with the flag still on: the fp32 buffers
+            for hook in hooks:
+                hook.remove()
+            _reshard_fsdp1(units)  # with the flag still as set: the buffers this view gathered
         finally:
             for obj, value in saved:
                 obj._use_full_prec_in_eval = value
@@ -335,9 +346,9 @@ class FSDPPolicyViews:
         for key, (module, names) in _fsdp1_slots(self.units1).items():
             have = self.slots.setdefault(key, (module, []))[1]
             have.extend(n for n in names if n not in have)
-        self.served = _View(_widened)
+        self.served = _View(_widened, (lambda: _fsdp1_precision(self.units1, full=False)) if self.units1 else None)
         self.master = _View(self._fsdp2_master if self.owners else None,
-                            (lambda: _fsdp1_full_precision(self.units1)) if self.units1 else None, is_master=True)
+                            (lambda: _fsdp1_precision(self.units1, full=True)) if self.units1 else None, is_master=True)
         #: why the last master forward gathered each FSDP2 parameter alone (None: one fp32 all-gather per group)
         self.per_param_reason: Optional[str] = None
 

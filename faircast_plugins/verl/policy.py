@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..patching import FairCastPatchError
 from ..policy_lag import PolicyLagProbe, gather_rows, metrics_of
 
 
@@ -63,12 +64,34 @@ def _padded(rows: list, width: int, left: bool, ones: bool = False) -> torch.Ten
     return out
 
 
+#: the option that turns the probe on (what a refusal tells the user to remove)
+POLICY_OPTION = "actor_rollout_ref.faircast.policy_metrics_every"
+
+
+def _refuse_vision_language(data) -> None:
+    """The probe's forward takes ids and attention masks only: a vision-language batch (``multi_modal_inputs``, or
+    mrope's multi-dimensional ``position_ids``) would be scored without its images, its placeholders as text."""
+    keys = set(data.keys())
+    what = None
+    if "multi_modal_inputs" in keys:
+        what = "multi_modal_inputs (images or video)"
+    elif "position_ids" in keys and data["position_ids"].dim() > 2:
+        what = f"{data['position_ids'].dim()}-dimensional position_ids (mrope)"
+    if what is not None:
+        raise FairCastPatchError(
+            f"{POLICY_OPTION}: this batch carries {what}: a vision-language policy, which the probe (the HF "
+            f"model's forward on ids and attention masks only) would score without its images. Not supported on "
+            f"verl's FSDP engines; remove {POLICY_OPTION}.")
+
+
 def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:
     """The first ``seqs`` sequences of a verl training batch (the worker's ``TensorDict``, after verl's no-padding
     conversion or before it) as the probe's padded tensors: ``prompt_ids``/``prompt_mask`` (left-padded),
     ``completion_ids``/``completion_mask`` (right-padded; the response's attention mask) and ``count_mask`` (the
     response tokens the loss trains: ``response_mask``). Padded ``prompts``/``responses`` take their masks from
-    ``attention_mask``; nested (jagged) ones are their own valid tokens."""
+    ``attention_mask``; nested (jagged) ones are their own valid tokens. A vision-language batch is refused
+    (:class:`FairCastPatchError`)."""
+    _refuse_vision_language(data)
     prompts, responses = data["prompts"], data["responses"]
     if prompts.is_nested or responses.is_nested:
         p_rows, r_rows = _rows(prompts, seqs), _rows(responses, seqs)
@@ -90,7 +113,21 @@ def probe_batch(data, seqs: int) -> Dict[str, torch.Tensor]:
 
 
 def _device(module) -> torch.device:
-    """Where the module's (loaded) shards live: the probe's inputs go there."""
+    """Where FSDP computes the module's forward: the probe's inputs go there. Not where the shards are stored: with
+    CPU offload (FSDP2's ``CPUOffloadPolicy``, verl's ``actor.fsdp_config.offload_policy``; FSDP1's
+    ``CPUOffload``) they stay on the host, and the master forward runs without FSDP's hook that would move the
+    inputs. FSDP2: its state's device (the mesh's); FSDP1: the unit's ``compute_device``; neither: the first
+    parameter's local tensor."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..fsdp_policy import fsdp1_modules
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            return m._get_fsdp_state()._device
+    for unit in fsdp1_modules(module):
+        if getattr(unit, "compute_device", None) is not None:
+            return unit.compute_device
     p = next(module.parameters())
     return (p.to_local() if hasattr(p, "to_local") else p).device
 

@@ -73,7 +73,7 @@ def _masters(tied: bool):
     return model
 
 
-def _wrap(model, kind: str):
+def _wrap(model, kind: str, strategy: str = "FULL_SHARD", full_prec_eval: bool = False):
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
     if kind == "fsdp2":
@@ -87,11 +87,22 @@ def _wrap(model, kind: str):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp1_orig",
-                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                               buffer_dtype=torch.float32), device_id=torch.device("cpu"))
+    saved = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL")
+    if full_prec_eval:  # FSDP1 reads it when it wraps: the units' eval-mode unshard in fp32
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp1_orig",
+                    sharding_strategy=ShardingStrategy[strategy],
+                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                   buffer_dtype=torch.float32), device_id=torch.device("cpu"))
+    finally:
+        if saved is None:
+            os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)
+        else:
+            os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = saved
 
 
 def _shards(model) -> list:
@@ -104,11 +115,16 @@ def _shards(model) -> list:
     return out
 
 
-def _reshard_root(model) -> None:
-    handle = getattr(model, "_handle", None)
-    if handle is not None and handle.uses_sharded_strategy and \
-            handle._get_padded_unsharded_flat_param().untyped_storage().size():
-        handle.reshard(True)
+def _reshard_fsdp1(model) -> None:
+    """Free the unsharded flat parameters FSDP1 keeps after a forward: the root's, and with SHARD_GRAD_OP every
+    unit's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for unit in model.modules():
+        handle = getattr(unit, "_handle", None) if isinstance(unit, FSDP) else None
+        if handle is not None and handle.uses_sharded_strategy and \
+                handle._get_padded_unsharded_flat_param().untyped_storage().size():
+            handle.reshard(True)
 
 
 def _count_full_precision_units(model) -> dict:
@@ -198,7 +214,8 @@ def _measure_case(rank: int, case: dict) -> dict:
     from faircast_plugins.fsdp_policy import FSDPPolicyViews
     from faircast_plugins.policy_lag import gather_rows
 
-    model = _wrap(_masters(case["tied"]), case["kind"])
+    model = _wrap(_masters(case["tied"]), case["kind"], case.get("strategy", "FULL_SHARD"),
+                  case.get("full_prec_eval", False))
     caster = FairCaster(FairCastConfig(enabled=case["on"], seed=SEED, mode=case.get("mode", "stochastic")))
     batch = _batch(rank)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -208,7 +225,7 @@ def _measure_case(rank: int, case: dict) -> dict:
             if case["on"]:
                 fsdp.apply_fsdp_cast_patches()
                 fsdp.register_fsdp_module(model, caster)
-            _reshard_root(model)  # FSDP1's root keeps the lazy-init forward's round-to-nearest copy until then
+            _reshard_fsdp1(model)  # FSDP1 keeps the lazy-init forward's round-to-nearest copy until then
             before_out = model(input_ids=ids)[0].float()
         before = _shards(model)
         probe = PolicyLagProbe(1, SEQS)
@@ -281,7 +298,12 @@ def _reference(case: dict, world: int, served_on: bool) -> torch.Tensor:
 
 CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, tied=True),
          dict(kind="fsdp1", on=True, tied=False), dict(kind="fsdp1_orig", on=False, tied=False),
-         dict(kind="fsdp1_orig", on=True, tied=True), dict(kind="fsdp1", on=False, tied=True)]
+         # FSDP_USE_FULL_PREC_IN_EVAL=1: FSDP1's eval forward would run on the fp32 masters, the served view too
+         dict(kind="fsdp1_orig", on=True, tied=True, full_prec_eval=True),
+         dict(kind="fsdp1", on=False, tied=True, full_prec_eval=True),
+         # verl's reshard_after_forward: false (FSDP1 keeps every non-root unit unsharded after its forward)
+         dict(kind="fsdp1", on=True, tied=False, strategy="SHARD_GRAD_OP"),
+         dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP")]
 #: measured in the same launches, no one-process reference: error feedback's served copy holds state (its residual)
 EF_CASE = dict(kind="fsdp2", on=True, tied=False, mode="error_feedback")
 _RUNS: dict = {}
@@ -289,7 +311,9 @@ _RUNS: dict = {}
 
 def _case_id(case: dict) -> str:
     mode = f"-{case['mode']}" if "mode" in case else ""
-    return f"{case['kind']}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}"
+    strategy = f"-{case['strategy']}" if "strategy" in case else ""
+    full = "-full_prec_eval" if case.get("full_prec_eval") else ""
+    return f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}{full}"
 
 
 def _run(case: dict, world: int) -> list:
@@ -321,6 +345,7 @@ def test_fsdp_views_equal_the_one_process_reference(case, world):
                    and res["fsdp_gathers"] == (3 if world > 1 else 0) for res in ranks), ranks
     if case["kind"].startswith("fsdp1") and world > 1:  # sharded: the master forward gathers fp32 flat params
         # at most the root unit's and the running unit's at once, and none left allocated after the measurement
+        # (SHARD_GRAD_OP too, where FSDP1 itself frees no unit after its forward)
         assert all(res["full_units"] in (1, 2) and res["full_after"] == 0 for res in ranks), ranks
     got = summarize(ranks[0]["rows"])
     assert got["faircast/policy_kl"] > 0 and got["faircast/policy_tokens"] == world * (2 * COMPLETION - 2)

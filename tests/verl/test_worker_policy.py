@@ -107,3 +107,66 @@ def test_a_measurement_at_the_first_update_at_or_after_each_multiple_of_n():
     # two optimizer steps per update_actor: it starts at versions 0, 2, 4, ...
     assert [v for v in range(0, 14, 2) if policy.due(v)] == [0, 4, 6, 10, 12]
     assert VerlPolicyProbe.of(FairCastConfig()) is None
+
+
+def _fsdp_stub(kind: str, compute: torch.device):
+    """A module FSDP would compute on ``compute`` while its (offloaded) parameters stay on the CPU: FSDP2's
+    ``CPUOffloadPolicy`` (verl ``actor.fsdp_config.offload_policy``), FSDP1's ``CPUOffload(offload_params=True)``.
+    Stubs: FSDP2's state is only asked for its ``_device``, FSDP1's unit for its ``compute_device``."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        module = nn.Sequential(nn.Linear(2, 2))
+        module.__class__ = type("FSDPSequential", (FSDPModule, nn.Sequential), {})  # as fully_shard does
+        module._get_fsdp_state = lambda: SimpleNamespace(_device=compute)
+        return module
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    unit = FSDP.__new__(FSDP)
+    nn.Module.__init__(unit)
+    unit._fsdp_wrapped_module = nn.Linear(2, 2)
+    unit.compute_device = compute
+    return nn.Sequential(unit)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_the_probe_batch_goes_to_fsdps_compute_device_not_where_offloaded_shards_live(kind):
+    """H4: with CPU offload the first parameter's shard is on the CPU while FSDP computes on the accelerator; the
+    probe's batch goes where FSDP computes (the master forward has no FSDP hook to move it)."""
+    from faircast_plugins.verl.policy import _device
+
+    module = _fsdp_stub(kind, torch.device("meta"))
+    assert next(module.parameters()).device.type == "cpu"
+    assert _device(module) == torch.device("meta")
+
+
+@pytest.mark.parametrize("extra", ["multi_modal_inputs", "mrope_position_ids", "nested_mrope_position_ids"])
+def test_a_vision_language_batch_is_refused_at_the_first_measurement(extra):
+    """M3: the probe's forward passes only ids and the attention mask, so a vision-language batch (images in
+    ``multi_modal_inputs``, mrope's ``[B, 3|4, T]`` position ids) would be scored as text: refused, naming the
+    option; a text batch with ``[B, T]`` position ids is not."""
+    from tensordict import TensorDict
+
+    from faircast_plugins.patching import FairCastPatchError
+    from faircast_plugins.verl.policy import probe_batch
+
+    text = {"prompts": torch.tensor([[1, 2], [3, 4]]), "responses": torch.tensor([[5, 6], [7, 8]]),
+            "attention_mask": torch.ones(2, 4, dtype=torch.long), "response_mask": torch.ones(2, 2, dtype=torch.long),
+            "position_ids": torch.arange(4).expand(2, 4)}
+    probe_batch(TensorDict(text, batch_size=[2]), 2)
+    data = TensorDict(text, batch_size=[2])
+    if extra == "multi_modal_inputs":
+        from tensordict import NonTensorStack
+
+        data["multi_modal_inputs"] = NonTensorStack({"pixel_values": torch.zeros(4, 3)}, {})
+    elif extra == "mrope_position_ids":
+        data["position_ids"] = torch.arange(4).expand(2, 4, 4)
+    else:
+        data["position_ids"] = torch.nested.as_nested_tensor([torch.arange(8).view(4, 2), torch.arange(12).view(4, 3)],
+                                                             layout=torch.jagged)
+    with pytest.raises(FairCastPatchError, match="policy_metrics_every"):
+        probe_batch(data, 2)

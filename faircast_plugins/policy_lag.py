@@ -298,6 +298,90 @@ def plain_forward(model: torch.nn.Module):
             model.forward = wrapped
 
 
+#: attention implementations the probe's fp32 forwards run as they are; any other is switched to ``"sdpa"`` for them
+FP32_ATTENTION = ("eager", "sdpa")
+
+
+def _attention_configs(model: torch.nn.Module) -> List[Tuple[object, Optional[torch.nn.Module]]]:
+    """Every transformers config the forwards of ``model`` read their attention implementation from, each once:
+    the ``config`` of every submodule (the HF model inside a wrapper: FSDP1, DeepSpeed's engine, OpenRLHF's Actor, a
+    PEFT model; the sub-models of a composite model; the attention modules themselves) and, recursively, its
+    ``sub_configs`` (a composite model's text and vision configs). Each with the transformers model that owns it
+    (None when no submodule does)."""
+    found: Dict[int, Tuple[object, Optional[torch.nn.Module]]] = {}
+
+    def visit(config, owner):
+        if id(config) in found:
+            if owner is not None and found[id(config)][1] is None:
+                found[id(config)] = (config, owner)
+            return
+        found[id(config)] = (config, owner)
+        for key in getattr(config, "sub_configs", None) or ():
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                visit(sub, None)
+
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            # a transformers model by its class (FSDP1's and DeepSpeed's wrappers hand on the attributes of theirs)
+            visit(config, module if hasattr(type(module), "_supports_sdpa") else None)
+    return list(found.values())
+
+
+def _sdpa_refused(owner: Optional[torch.nn.Module]) -> Optional[str]:
+    """Why ``owner`` (a transformers model) cannot run SDPA when its config says so; None when it can (or unknown)."""
+    if owner is None:
+        return None
+    if not getattr(owner, "_supports_sdpa", True):
+        return f"{type(owner).__name__} has no SDPA attention"
+    can_set = getattr(type(owner), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return (f"{type(owner).__name__} picks its attention classes when it is built (not through transformers' "
+                f"AttentionInterface), so its implementation cannot be switched for the probe's forwards")
+    return None
+
+
+@contextmanager
+def sdpa_attention(model: torch.nn.Module):
+    """Inside, the transformers models in ``model`` run attention with ``"sdpa"`` where their
+    ``attn_implementation`` is not one of :data:`FP32_ATTENTION`: the probe's forwards are fp32, which flash-attn
+    (``flash_attention_2``/``_3``, verl's and OpenRLHF's default) and other fp16/bf16 kernels refuse, while SDPA runs
+    fp32 in its CUDA kernels (memory-efficient attention: no ``[T, T]`` scores). Transformers' attention modules and
+    mask builders read ``config._attn_implementation`` at every forward, so the switch is that attribute on every
+    config found (:func:`_attention_configs`), set without transformers' checks (``set_attn_implementation`` would
+    check, and on restoring flash-attn import it, again) and put back exactly on exit, also when a forward raises.
+    FairCastPatchError, naming ``attn_implementation``, for a model that cannot be switched."""
+    switched = []
+    try:
+        for config, owner in _attention_configs(model):
+            current = config._attn_implementation
+            if current is None or current in FP32_ATTENTION:
+                continue
+            problem = _sdpa_refused(owner)
+            if problem is not None:
+                from .patching import FairCastPatchError
+
+                raise FairCastPatchError(
+                    f"faircast policy metrics: the probe scores in fp32, which attn_implementation={current!r} does not "
+                    f"run, and {problem}. Load the policy with attn_implementation='sdpa' (or 'eager'), or turn the "
+                    f"policy metrics off (policy_metrics_every 0)")
+            switched.append((config, config.__dict__.get("_attn_implementation_internal", current)))
+            _set_attention(config, "sdpa")
+        yield
+    finally:
+        for config, before in reversed(switched):
+            _set_attention(config, before)
+
+
+def _set_attention(config, value) -> None:
+    """``config``'s own attention implementation (not its sub-configs', which transformers' setter would also set)."""
+    if "_attn_implementation_internal" in config.__dict__:
+        config.__dict__["_attn_implementation_internal"] = value
+    else:
+        config._attn_implementation = value
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that count only attended tokens (left padding: the first real token is position 0), as trainers
     that left-pad prompts pass them (OpenRLHF's ``Actor.forward``); padded positions get 1."""
@@ -366,7 +450,7 @@ class PolicyLagProbe:
         was_training = model.training
         model.eval()  # no dropout: both views score the same function of the weights
         try:
-            with torch.autocast(device_type=device_type, enabled=False):
+            with torch.autocast(device_type=device_type, enabled=False), sdpa_attention(model):
                 for i, j, counted in chunk_slices(count, chunk, collective=collective):
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)

@@ -20,7 +20,8 @@ loss trains) each score the same tokens, and
     how many sequences and completion tokens the numbers above come from.
 
 Both forwards run in fp32 with autocast off, so the numbers measure the weights' difference only (not the bf16
-kernels' mismatch, which the stacks' own trainer-vs-engine checks see). With Fair Cast off the served copy is
+kernels' mismatch, which the stacks' own trainer-vs-engine checks see); a transformers model loaded with an attention
+implementation that takes 16-bit inputs only (flash-attn) runs them with SDPA (:func:`sdpa_attention`). With Fair Cast off the served copy is
 round to nearest of the master (what the standard export serves): the metric shows what its lag costs the batch;
 with Fair Cast on it shows what the unbiased copy's rounding noise costs.
 
@@ -30,8 +31,9 @@ sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the 
 another copy of the weights, swapping each module's own parameters in just before it runs and back just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
 served copy of one master, by the export's cast), :func:`hooks_detached` (forwards without given hooks, e.g. FSDP2's
 or DeepSpeed ZeRO-3's gathers when the views bring the weights), :func:`chunk_size` / :func:`chunk_slices` (how many
-sequences per forward, and the forwards every rank runs: shared with the Megatron probe) and :class:`PolicyLagProbe`
-(when to measure, and the measuring itself, given the adapter's two weight views).
+sequences per forward, and the forwards every rank runs: shared with the Megatron probe), :func:`sdpa_attention` /
+:func:`keeps_logits` (the attention and the logits a transformers model's forwards run with) and
+:class:`PolicyLagProbe` (when to measure, and the measuring itself, given the adapter's two weight views).
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ DEFAULT_SEQS = FairCastConfig.policy_metrics_seqs
 COLUMNS = ("kl_sum", "tokens", "log_ratio")
 #: positions (summed over the sequences) whose float64 log-softmax :func:`sequence_stats` holds at a time
 POSITION_CHUNK = 256
-#: bytes of fp32 logits (both views) one forward of the probe may produce: sequences are scored in chunks under it
+#: bytes of fp32 logits (both views) one forward of the probe may produce: sequences are scored in chunks under it (a
+#: single sequence over it is scored alone: ``8 (C + 1) V`` bytes for a completion of C tokens, vocabulary V)
 LOGIT_BUDGET = 1 << 30
 
 
@@ -389,15 +392,48 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill_(attention_mask == 0, 1)
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``logits_to_keep`` (transformers' causal LMs: the LM head runs on the last
+    positions only). Read from the signature of the class's ``forward``, through wrappers whose forward hands its
+    keyword arguments on to the model they wrap (FSDP1's and DDP's ``module``, PEFT's ``get_base_model()``)."""
+    import inspect
+
+    seen = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        try:
+            params = inspect.signature(type(model).forward).parameters
+        except (TypeError, ValueError):
+            return False
+        if "logits_to_keep" in params:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return False
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module) and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        model = inner if isinstance(inner, torch.nn.Module) else None
+    return False
+
+
 def _completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       completion: int, mask_positions: bool = False) -> torch.Tensor:
+                       completion: int, mask_positions: bool = False, keep: bool = False) -> torch.Tensor:
     """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids`` (with
-    ``mask_positions``, position ids from :func:`positions_from_mask`; else the model's default)."""
+    ``mask_positions``, position ids from :func:`positions_from_mask`; else the model's default). ``keep``: the
+    forward takes ``logits_to_keep`` (:func:`keeps_logits`), so it computes the ``completion + 1`` last positions'
+    logits only; else it computes every position's, and the completion's are copied out so that the whole tensor is
+    freed (no view keeps it alive)."""
     extra = {"position_ids": positions_from_mask(attention_mask)} if mask_positions else {}
+    if keep:
+        extra["logits_to_keep"] = completion + 1
     with plain_forward(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits[:, -completion - 1:-1].float()
+    del out
+    wanted = logits[:, -completion - 1:-1].float()
+    if logits.shape[1] > completion + 1 and wanted.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        wanted = wanted.clone()  # a view would keep every position's logits alive
+    return wanted
 
 
 class PolicyLagProbe:
@@ -406,8 +442,10 @@ class PolicyLagProbe:
     The adapter gives the two weight views of its model as parameter -> tensor functions (None: the parameter as it
     is): ``served`` (what the rollout engine holds) and ``master`` (what the optimizer trains). A measurement is two
     no-grad fp32 forwards over the ``seqs`` sequences, one per view, in as few chunks as :data:`LOGIT_BUDGET` allows
-    (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes: one sequence per chunk at 1,000 tokens x 152k vocabulary,
-    1.2 GB), plus one module's other weights at a time and float64 scratch for :data:`POSITION_CHUNK` positions."""
+    (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes, where T is the completion + 1 for a forward that takes
+    ``logits_to_keep`` (:func:`keeps_logits`: transformers' causal LMs), else the whole sequence: one sequence per
+    chunk at 1,000 tokens x 152k vocabulary, 1.2 GB), plus one module's other weights at a time and float64 scratch
+    for :data:`POSITION_CHUNK` positions. Attention runs as :func:`sdpa_attention` says."""
 
     def __init__(self, every: int, seqs: int = DEFAULT_SEQS):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -446,7 +484,9 @@ class PolicyLagProbe:
         rows = []
         device_type = completion_ids.device.type
         count, length = min(self.seqs, completion_ids.shape[0]), completion_ids.shape[1]
-        chunk = chunk_size(count, length, getattr(getattr(model, "config", None), "vocab_size", None))
+        keep = keeps_logits(model)
+        positions = length + 1 if keep else prompt_ids.shape[1] + length
+        chunk = chunk_size(count, positions, getattr(getattr(model, "config", None), "vocab_size", None))
         was_training = model.training
         model.eval()  # no dropout: both views score the same function of the weights
         try:
@@ -455,9 +495,9 @@ class PolicyLagProbe:
                     ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                     att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
                     with swap(model, served):
-                        s = _completion_logits(model, ids, att, length, mask_positions)
+                        s = _completion_logits(model, ids, att, length, mask_positions, keep)
                     with swap(model, master):
-                        m = _completion_logits(model, ids, att, length, mask_positions)
+                        m = _completion_logits(model, ids, att, length, mask_positions, keep)
                     if counted:
                         rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
                     del s, m
@@ -474,8 +514,9 @@ class PolicyLagProbe:
 
 
 def chunk_size(count: int, length: int, vocab: Optional[int], budget: Optional[int] = None) -> int:
-    """Sequences per forward of the probe: as many of ``count`` sequences of ``length`` positions as fit both views'
-    fp32 logits (``8 * length * vocab`` bytes a sequence) in ``budget`` (default :data:`LOGIT_BUDGET`), at least one;
+    """Sequences per forward of the probe: as many of ``count`` sequences, each with logits at ``length`` positions, as
+    fit both views' fp32 logits (``8 * length * vocab`` bytes a sequence) in ``budget`` (default
+    :data:`LOGIT_BUDGET`), at least one;
     all ``count`` (at least one) when the vocabulary size is not known."""
     if not vocab:
         return max(1, count)
@@ -565,5 +606,5 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
 
 
 __all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "gather_rows", "hooks_detached",
-           "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight", "summarize", "swap_hooks",
-           "vocab_parallel_sequence_stats", "weights_swapped", "widened"]
+           "keeps_logits", "metrics_of", "refuse_policy_metrics", "sdpa_attention", "sequence_stats", "served_weight",
+           "summarize", "swap_hooks", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]

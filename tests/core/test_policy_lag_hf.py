@@ -1,5 +1,7 @@
 """The policy-lag probe's forwards on transformers models (policy_lag.py): the attention implementation they run
 with, the logits they keep, the modules' modes they leave."""
+import functools
+
 import pytest
 import torch
 
@@ -129,3 +131,86 @@ def test_eager_and_sdpa_models_are_left_as_they_are():
         model = _qwen2(attn, layers=1)
         with sdpa_attention(model):
             assert model.config._attn_implementation == attn
+
+
+class _NoKeep(torch.nn.Module):
+    """A causal LM whose forward has no ``logits_to_keep`` (logits at every position), around a Qwen2."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False, position_ids=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("keeps", [True, False], ids=["logits_to_keep", "no logits_to_keep"])
+def test_logits_stay_under_the_budget_with_a_prompt_longer_than_the_completion(monkeypatch, keeps):
+    """M1: LOGIT_BUDGET bounds the logits of both views: the forward computes only the completion's (+1) positions
+    where it takes ``logits_to_keep`` (transformers' causal LMs), and the chunking counts every position it computes
+    where it does not; the logits the probe holds are no view of a larger tensor."""
+    import faircast_plugins.policy_lag as pl
+
+    vocab, prompt, completion = 512, 48, 16
+    model = _qwen2("sdpa", vocab=vocab, layers=1)
+    model = model if keeps else _NoKeep(model)
+    made, held = [], []
+    original_forward, original_logits = type(model).forward, pl._completion_logits
+
+    @functools.wraps(original_forward)  # the signature the probe reads
+    def forward(self, *args, **kwargs):
+        out = original_forward(self, *args, **kwargs)
+        made.append(out.logits.untyped_storage().nbytes())
+        return out
+
+    def completion_logits(*args, **kwargs):
+        out = original_logits(*args, **kwargs)
+        held.append(out.untyped_storage().nbytes())
+        return out
+    monkeypatch.setattr(type(model), "forward", forward)
+    monkeypatch.setattr(pl, "_completion_logits", completion_logits)
+    # two whole sequences' logits, both views: four sequences' completions (+1 position) fit
+    monkeypatch.setattr(pl, "LOGIT_BUDGET", 8 * 2 * (prompt + completion) * vocab)
+    batch = _batch(vocab, prompt, completion, seqs=4)
+    probe = PolicyLagProbe(1, 4)
+    probe.measure(model, 0, *batch, served=lambda p: p.data.bfloat16().float(), master=lambda p: None)
+    assert len(made) == len(held) and len(made) % 2 == 0
+    for served, master in zip(made[::2], made[1::2]):  # each forward's logits, the served view's still held
+        assert served + master <= pl.LOGIT_BUDGET
+    for served, master in zip(held[::2], held[1::2]):
+        assert served + master <= pl.LOGIT_BUDGET
+    assert len(made) == (2 if keeps else 4)  # all four sequences in one forward per view, or two
+    rows = probe.take()
+    monkeypatch.setattr(pl, "LOGIT_BUDGET", 1 << 40)
+    whole = PolicyLagProbe(1, 4)
+    whole.measure(model, 0, *batch, served=lambda p: p.data.bfloat16().float(), master=lambda p: None)
+    assert torch.allclose(rows, whole.take(), rtol=1e-9, atol=1e-12)
+
+
+def test_keeps_logits_reads_the_model_through_its_wrappers():
+    """FSDP1 / DDP hand their forward's keyword arguments to ``module``, PEFT to ``get_base_model()``."""
+    from faircast_plugins.policy_lag import keeps_logits
+
+    class Wrapper(torch.nn.Module):  # FSDP1's and DDP's shape: forward(*args, **kwargs) -> self.module(...)
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    class Peft(torch.nn.Module):  # PeftModelForCausalLM's shape: named arguments, the rest handed on
+        def __init__(self, model):
+            super().__init__()
+            self.base = model
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return self.base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    model = _qwen2("sdpa", layers=1)
+    assert keeps_logits(model) and keeps_logits(Wrapper(model)) and keeps_logits(Wrapper(Peft(model)))
+    assert not keeps_logits(_NoKeep(model)) and not keeps_logits(Wrapper(_NoKeep(model)))
+    assert not keeps_logits(Wrapper(torch.nn.Linear(2, 2)))

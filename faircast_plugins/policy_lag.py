@@ -21,9 +21,9 @@ loss trains) each score the same tokens, and
 
 Both forwards run in fp32 with autocast off, so the numbers measure the weights' difference only (not the bf16
 kernels' mismatch, which the stacks' own trainer-vs-engine checks see); a transformers model loaded with an attention
-implementation that takes 16-bit inputs only (flash-attn) runs them with SDPA (:func:`sdpa_attention`). With Fair Cast off the served copy is
-round to nearest of the master (what the standard export serves): the metric shows what its lag costs the batch;
-with Fair Cast on it shows what the unbiased copy's rounding noise costs.
+implementation that takes 16-bit inputs only (flash-attn) runs them with SDPA (:func:`sdpa_attention`). With Fair
+Cast off the served copy is round to nearest of the master (what the standard export serves): the metric shows what
+its lag costs the batch; with Fair Cast on it shows what the unbiased copy's rounding noise costs.
 
 Pure torch, below the adapters: :func:`sequence_stats` (logits of both copies on the same tokens -> per-sequence
 sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the vocabulary by tensor parallelism),
@@ -301,6 +301,23 @@ def plain_forward(model: torch.nn.Module):
             model.forward = wrapped
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Inside, every module of ``model`` in eval mode (no dropout: both views score the same function of the
+    weights). On exit (also on an error) each module is back in its own mode, not the root's: a submodule kept in
+    eval (a frozen tower, a block with dropout turned off) stays in eval. ``model.train`` runs first (a wrapper's
+    override sees the root's mode, as before), then each module's own flag is put back where it differs."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(modes[0][1])
+        for module, training in modes:
+            if module.training != training:
+                module.training = training
+
+
 #: attention implementations the probe's fp32 forwards run as they are; any other is switched to ``"sdpa"`` for them
 FP32_ATTENTION = ("eager", "sdpa")
 
@@ -366,9 +383,9 @@ def sdpa_attention(model: torch.nn.Module):
                 from .patching import FairCastPatchError
 
                 raise FairCastPatchError(
-                    f"faircast policy metrics: the probe scores in fp32, which attn_implementation={current!r} does not "
-                    f"run, and {problem}. Load the policy with attn_implementation='sdpa' (or 'eager'), or turn the "
-                    f"policy metrics off (policy_metrics_every 0)")
+                    f"faircast policy metrics: the probe scores in fp32, which attn_implementation={current!r} does "
+                    f"not run, and {problem}. Load the policy with attn_implementation='sdpa' (or 'eager'), or turn "
+                    f"the policy metrics off (policy_metrics_every 0)")
             switched.append((config, config.__dict__.get("_attn_implementation_internal", current)))
             _set_attention(config, "sdpa")
         yield
@@ -487,22 +504,17 @@ class PolicyLagProbe:
         keep = keeps_logits(model)
         positions = length + 1 if keep else prompt_ids.shape[1] + length
         chunk = chunk_size(count, positions, getattr(getattr(model, "config", None), "vocab_size", None))
-        was_training = model.training
-        model.eval()  # no dropout: both views score the same function of the weights
-        try:
-            with torch.autocast(device_type=device_type, enabled=False), sdpa_attention(model):
-                for i, j, counted in chunk_slices(count, chunk, collective=collective):
-                    ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
-                    att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
-                    with swap(model, served):
-                        s = _completion_logits(model, ids, att, length, mask_positions, keep)
-                    with swap(model, master):
-                        m = _completion_logits(model, ids, att, length, mask_positions, keep)
-                    if counted:
-                        rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
-                    del s, m
-        finally:
-            model.train(was_training)
+        with eval_mode(model), torch.autocast(device_type=device_type, enabled=False), sdpa_attention(model):
+            for i, j, counted in chunk_slices(count, chunk, collective=collective):
+                ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
+                att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
+                with swap(model, served):
+                    s = _completion_logits(model, ids, att, length, mask_positions, keep)
+                with swap(model, master):
+                    m = _completion_logits(model, ids, att, length, mask_positions, keep)
+                if counted:
+                    rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
+                del s, m
         new = torch.cat(rows).cpu() if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
         self.pending = new if self.pending is None else torch.cat([self.pending, new])
 
@@ -605,6 +617,6 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
     return out
 
 
-__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "gather_rows", "hooks_detached",
-           "keeps_logits", "metrics_of", "refuse_policy_metrics", "sdpa_attention", "sequence_stats", "served_weight",
-           "summarize", "swap_hooks", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]
+__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "eval_mode", "gather_rows",
+           "hooks_detached", "keeps_logits", "metrics_of", "refuse_policy_metrics", "sdpa_attention", "sequence_stats",
+           "served_weight", "summarize", "swap_hooks", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]

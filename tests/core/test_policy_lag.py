@@ -448,3 +448,28 @@ def test_collective_probe_runs_as_many_forwards_on_every_rank(tmp_path):
     assert [r[True][0] for r in ranks] == [8, 8]
     for r, seqs in zip(ranks, (2, 4)):
         assert r[True][1].shape[0] == seqs and torch.equal(r[True][1], r[False][1])
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["measured", "a view raises"])
+def test_probe_runs_every_module_in_eval_and_gives_each_its_own_mode_back(raises):
+    """L3: the forwards run with every module in eval mode (no dropout); after them each module is back in its own
+    mode, not the root's: a submodule the user kept in eval (a frozen tower) stays in eval, also when a forward
+    raises."""
+    model = TinyLM(0)
+    model.train()
+    model.mix.eval()
+    seen = []
+    model.mix.register_forward_pre_hook(lambda m, args: seen.append([x.training for x in model.modules()]))
+
+    def served(p):
+        if raises:
+            raise RuntimeError("a view that fails")
+        return p.data.to(torch.bfloat16).float()
+    probe = PolicyLagProbe(every=1, seqs=2)
+    if raises:
+        with pytest.raises(RuntimeError, match="a view that fails"):
+            probe.measure(model, 0, *_batch(seqs=2), served=served, master=lambda p: None)
+    else:
+        probe.measure(model, 0, *_batch(seqs=2), served=served, master=lambda p: None)
+        assert seen and not any(any(s) for s in seen)
+    assert model.training and model.embed.training and model.head.training and not model.mix.training

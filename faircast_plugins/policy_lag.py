@@ -512,8 +512,11 @@ class PolicyLagProbe:
                     s = _completion_logits(model, ids, att, length, mask_positions, keep)
                 with swap(model, master):
                     m = _completion_logits(model, ids, att, length, mask_positions, keep)
-                if counted:
-                    rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
+                if counted:  # the tokens and masks where the logits are (the forward's compute device; no host
+                    # sync to an accelerator, a blocking copy to the CPU, which reads it at once)
+                    to = dict(device=s.device, non_blocking=s.device.type != "cpu")
+                    tokens, counts = completion_ids[i:j].to(**to), count_mask[i:j].to(**to)
+                    rows.append(sequence_stats(s, m, tokens, counts, temperature))
                 del s, m
         new = torch.cat(rows).cpu() if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
         self.pending = new if self.pending is None else torch.cat([self.pending, new])
@@ -553,9 +556,16 @@ def chunk_slices(count: int, chunk: int, *, collective: bool = False, device=Non
 
 
 def _collective_device():
+    """Where the default group's collectives run: the CPU when the group has a CPU backend (``gloo``; verl's
+    ``cpu:gloo,cuda:nccl``), else the current CUDA device (``nccl``, or only ``cuda:nccl``)."""
     import torch.distributed as dist
 
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    backend = str(dist.get_backend())
+    if ":" in backend:  # a device -> backend map
+        on_cpu = any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    else:
+        on_cpu = backend != "nccl"
+    return torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
 def _most_over_ranks(n: int, device=None) -> int:

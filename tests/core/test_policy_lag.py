@@ -473,3 +473,43 @@ def test_probe_runs_every_module_in_eval_and_gives_each_its_own_mode_back(raises
         probe.measure(model, 0, *_batch(seqs=2), served=served, master=lambda p: None)
         assert seen and not any(any(s) for s in seen)
     assert model.training and model.embed.training and model.head.training and not model.mix.training
+
+
+def test_collective_device_is_cuda_when_the_default_group_has_no_cpu_backend(monkeypatch):
+    """A default group of only ``cuda:nccl`` has no CPU backend: the collectives' tensors go to CUDA (before: the CPU,
+    which no backend of the group serves); verl's ``cpu:gloo,cuda:nccl`` keeps them on the CPU."""
+    import torch.distributed as dist
+
+    import faircast_plugins.policy_lag as pl
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    cuda, cpu = torch.device("cuda", 3), torch.device("cpu")
+    for backend, want in [("nccl", cuda), ("cuda:nccl", cuda), ("cpu:gloo,cuda:nccl", cpu), ("cuda:nccl,cpu:gloo", cpu),
+                          ("gloo", cpu), ("cpu:gloo", cpu)]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: dist.Backend(b))
+        assert pl._collective_device() == want, backend
+
+
+def test_probe_scores_tokens_and_masks_on_the_logits_device(monkeypatch):
+    """The statistics get the tokens and masks on the device of the logits (a model whose compute device is not where
+    the adapter put the batch: FSDP2 with CPU offload hands the forward to CUDA): moved before ``sequence_stats``."""
+    import faircast_plugins.policy_lag as pl
+
+    class Elsewhere(torch.nn.Module):  # logits on another device than the batch ("meta" stands in for CUDA here)
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {"vocab_size": VOCAB})()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, VOCAB, device="meta")})()
+
+    seen = []
+
+    def stats(s, m, tokens, mask, temperature):
+        seen.append({s.device.type, m.device.type, tokens.device.type, mask.device.type})
+        return torch.zeros(tokens.shape[0], 3, dtype=torch.float64)
+    monkeypatch.setattr(pl, "sequence_stats", stats)
+    PolicyLagProbe(every=1, seqs=2).measure(Elsewhere(), 0, *_batch(seqs=2), served=lambda p: None,
+                                            master=lambda p: None)
+    assert seen == [{"meta"}]

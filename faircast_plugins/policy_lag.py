@@ -169,7 +169,9 @@ def swap_hooks(modules, swap_in: Callable, put_back: Callable):
         return args, kwargs
 
     def post(module, args, output):
-        put_back(saved[id(module)].pop())
+        stack = saved.get(id(module))
+        if stack:  # empty when the pre-hook raised (always_call runs this anyway)
+            put_back(stack.pop())
 
     handles = []
     try:
@@ -238,22 +240,26 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
 
     def swap_in(module, args, kwargs):
         swapped = []
-        if rebind:
-            for name, p in list(module._parameters.items()):
-                other = view(p) if p is not None else None
-                if other is not None:
-                    swapped.append((module, name, p))
-                    module._parameters[name] = other
-            others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
-            if others:
-                args = tuple(others.get(id(a), a) for a in args)
-                kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
-        else:
-            for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
-                other = view(p)
-                if other is not None:
-                    swapped.append((p, p.data))
-                    p.data = other
+        try:
+            if rebind:
+                for name, p in list(module._parameters.items()):
+                    other = view(p) if p is not None else None
+                    if other is not None:
+                        swapped.append((module, name, p))
+                        module._parameters[name] = other
+                others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
+                if others:
+                    args = tuple(others.get(id(a), a) for a in args)
+                    kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
+            else:
+                for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
+                    other = view(p)
+                    if other is not None:
+                        swapped.append((p, p.data))
+                        p.data = other
+        except BaseException:  # a view that raises part way (e.g. out of memory): what is swapped goes back
+            put_back(swapped)
+            raise
         return swapped, args, kwargs
 
     def put_back(swapped):

@@ -513,3 +513,23 @@ def test_probe_scores_tokens_and_masks_on_the_logits_device(monkeypatch):
     PolicyLagProbe(every=1, seqs=2).measure(Elsewhere(), 0, *_batch(seqs=2), served=lambda p: None,
                                             master=lambda p: None)
     assert seen == [{"meta"}]
+
+
+@pytest.mark.parametrize("rebind", [False, True])
+def test_a_view_that_raises_midway_through_a_module_leaves_its_parameters_as_they_were(rebind):
+    """A view raising on a module's second parameter (e.g. out of memory): the first, already swapped, goes back."""
+    model = TinyLM(0)
+    before = {n: (p, p.data) for n, p in model.named_parameters()}
+    calls = []
+
+    def view(p):
+        calls.append(p)
+        if p is model.mix.bias:
+            raise RuntimeError("a view that fails")
+        return p.detach().to(torch.bfloat16).float()
+    with pytest.raises(RuntimeError, match="a view that fails"):
+        with weights_swapped(model, view, rebind=rebind):
+            model(torch.zeros(1, 3, dtype=torch.long))
+    assert any(p is model.mix.weight for p in calls)  # the weight was swapped before the bias failed
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and p.data.data_ptr() == before[n][1].data_ptr(), n

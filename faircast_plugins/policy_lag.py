@@ -20,9 +20,10 @@ loss trains) each score the same tokens, and
     how many sequences and completion tokens the numbers above come from.
 
 Both forwards run in fp32 with autocast off, so the numbers measure the weights' difference only (not the bf16
-kernels' mismatch, which the stacks' own trainer-vs-engine checks see). With Fair Cast off the served copy is
-round to nearest of the master (what the standard export serves): the metric shows what its lag costs the batch;
-with Fair Cast on it shows what the unbiased copy's rounding noise costs.
+kernels' mismatch, which the stacks' own trainer-vs-engine checks see); a transformers model loaded with an attention
+implementation that takes 16-bit inputs only (flash-attn) runs them with SDPA (:func:`sdpa_attention`). With Fair
+Cast off the served copy is round to nearest of the master (what the standard export serves): the metric shows what
+its lag costs the batch; with Fair Cast on it shows what the unbiased copy's rounding noise costs.
 
 Pure torch, below the adapters: :func:`sequence_stats` (logits of both copies on the same tokens -> per-sequence
 sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the vocabulary by tensor parallelism),
@@ -30,8 +31,9 @@ sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the 
 another copy of the weights, swapping each module's own parameters in just before it runs and back just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
 served copy of one master, by the export's cast), :func:`hooks_detached` (forwards without given hooks, e.g. FSDP2's
 or DeepSpeed ZeRO-3's gathers when the views bring the weights), :func:`chunk_size` / :func:`chunk_slices` (how many
-sequences per forward, and the forwards every rank runs: shared with the Megatron probe) and :class:`PolicyLagProbe`
-(when to measure, and the measuring itself, given the adapter's two weight views).
+sequences per forward, and the forwards every rank runs: shared with the Megatron probe), :func:`sdpa_attention` /
+:func:`keeps_logits` (the attention and the logits a transformers model's forwards run with) and
+:class:`PolicyLagProbe` (when to measure, and the measuring itself, given the adapter's two weight views).
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ DEFAULT_SEQS = FairCastConfig.policy_metrics_seqs
 COLUMNS = ("kl_sum", "tokens", "log_ratio")
 #: positions (summed over the sequences) whose float64 log-softmax :func:`sequence_stats` holds at a time
 POSITION_CHUNK = 256
-#: bytes of fp32 logits (both views) one forward of the probe may produce: sequences are scored in chunks under it
+#: bytes of fp32 logits (both views) one forward of the probe may produce: sequences are scored in chunks under it (a
+#: single sequence over it is scored alone: ``8 (C + 1) V`` bytes for a completion of C tokens, vocabulary V)
 LOGIT_BUDGET = 1 << 30
 
 
@@ -166,7 +169,9 @@ def swap_hooks(modules, swap_in: Callable, put_back: Callable):
         return args, kwargs
 
     def post(module, args, output):
-        put_back(saved[id(module)].pop())
+        stack = saved.get(id(module))
+        if stack:  # empty when the pre-hook raised (always_call runs this anyway)
+            put_back(stack.pop())
 
     handles = []
     try:
@@ -235,22 +240,26 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
 
     def swap_in(module, args, kwargs):
         swapped = []
-        if rebind:
-            for name, p in list(module._parameters.items()):
-                other = view(p) if p is not None else None
-                if other is not None:
-                    swapped.append((module, name, p))
-                    module._parameters[name] = other
-            others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
-            if others:
-                args = tuple(others.get(id(a), a) for a in args)
-                kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
-        else:
-            for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
-                other = view(p)
-                if other is not None:
-                    swapped.append((p, p.data))
-                    p.data = other
+        try:
+            if rebind:
+                for name, p in list(module._parameters.items()):
+                    other = view(p) if p is not None else None
+                    if other is not None:
+                        swapped.append((module, name, p))
+                        module._parameters[name] = other
+                others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
+                if others:
+                    args = tuple(others.get(id(a), a) for a in args)
+                    kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
+            else:
+                for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
+                    other = view(p)
+                    if other is not None:
+                        swapped.append((p, p.data))
+                        p.data = other
+        except BaseException:  # a view that raises part way (e.g. out of memory): what is swapped goes back
+            put_back(swapped)
+            raise
         return swapped, args, kwargs
 
     def put_back(swapped):
@@ -298,6 +307,107 @@ def plain_forward(model: torch.nn.Module):
             model.forward = wrapped
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Inside, every module of ``model`` in eval mode (no dropout: both views score the same function of the
+    weights). On exit (also on an error) each module is back in its own mode, not the root's: a submodule kept in
+    eval (a frozen tower, a block with dropout turned off) stays in eval. ``model.train`` runs first (a wrapper's
+    override sees the root's mode, as before), then each module's own flag is put back where it differs."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(modes[0][1])
+        for module, training in modes:
+            if module.training != training:
+                module.training = training
+
+
+#: attention implementations the probe's fp32 forwards run as they are; any other is switched to ``"sdpa"`` for them
+FP32_ATTENTION = ("eager", "sdpa")
+
+
+def _attention_configs(model: torch.nn.Module) -> List[Tuple[object, Optional[torch.nn.Module]]]:
+    """Every transformers config the forwards of ``model`` read their attention implementation from, each once:
+    the ``config`` of every submodule (the HF model inside a wrapper: FSDP1, DeepSpeed's engine, OpenRLHF's Actor, a
+    PEFT model; the sub-models of a composite model; the attention modules themselves) and, recursively, its
+    ``sub_configs`` (a composite model's text and vision configs). Each with the transformers model that owns it
+    (None when no submodule does)."""
+    found: Dict[int, Tuple[object, Optional[torch.nn.Module]]] = {}
+
+    def visit(config, owner):
+        if id(config) in found:
+            if owner is not None and found[id(config)][1] is None:
+                found[id(config)] = (config, owner)
+            return
+        found[id(config)] = (config, owner)
+        for key in getattr(config, "sub_configs", None) or ():
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                visit(sub, None)
+
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            # a transformers model by its class (FSDP1's and DeepSpeed's wrappers hand on the attributes of theirs)
+            visit(config, module if hasattr(type(module), "_supports_sdpa") else None)
+    return list(found.values())
+
+
+def _sdpa_refused(owner: Optional[torch.nn.Module]) -> Optional[str]:
+    """Why ``owner`` (a transformers model) cannot run SDPA when its config says so; None when it can (or unknown)."""
+    if owner is None:
+        return None
+    if not getattr(owner, "_supports_sdpa", True):
+        return f"{type(owner).__name__} has no SDPA attention"
+    can_set = getattr(type(owner), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return (f"{type(owner).__name__} picks its attention classes when it is built (not through transformers' "
+                f"AttentionInterface), so its implementation cannot be switched for the probe's forwards")
+    return None
+
+
+@contextmanager
+def sdpa_attention(model: torch.nn.Module):
+    """Inside, the transformers models in ``model`` run attention with ``"sdpa"`` where their
+    ``attn_implementation`` is not one of :data:`FP32_ATTENTION`: the probe's forwards are fp32, which flash-attn
+    (``flash_attention_2``/``_3``, verl's and OpenRLHF's default) and other fp16/bf16 kernels refuse, while SDPA runs
+    fp32 in its CUDA kernels (memory-efficient attention: no ``[T, T]`` scores). Transformers' attention modules and
+    mask builders read ``config._attn_implementation`` at every forward, so the switch is that attribute on every
+    config found (:func:`_attention_configs`), set without transformers' checks (``set_attn_implementation`` would
+    check, and on restoring flash-attn import it, again) and put back exactly on exit, also when a forward raises.
+    FairCastPatchError, naming ``attn_implementation``, for a model that cannot be switched."""
+    switched = []
+    try:
+        for config, owner in _attention_configs(model):
+            current = config._attn_implementation
+            if current is None or current in FP32_ATTENTION:
+                continue
+            problem = _sdpa_refused(owner)
+            if problem is not None:
+                from .patching import FairCastPatchError
+
+                raise FairCastPatchError(
+                    f"faircast policy metrics: the probe scores in fp32, which attn_implementation={current!r} does "
+                    f"not run, and {problem}. Load the policy with attn_implementation='sdpa' (or 'eager'), or turn "
+                    f"the policy metrics off (policy_metrics_every 0)")
+            switched.append((config, config.__dict__.get("_attn_implementation_internal", current)))
+            _set_attention(config, "sdpa")
+        yield
+    finally:
+        for config, before in reversed(switched):
+            _set_attention(config, before)
+
+
+def _set_attention(config, value) -> None:
+    """``config``'s own attention implementation (not its sub-configs', which transformers' setter would also set)."""
+    if "_attn_implementation_internal" in config.__dict__:
+        config.__dict__["_attn_implementation_internal"] = value
+    else:
+        config._attn_implementation = value
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that count only attended tokens (left padding: the first real token is position 0), as trainers
     that left-pad prompts pass them (OpenRLHF's ``Actor.forward``); padded positions get 1."""
@@ -305,15 +415,48 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill_(attention_mask == 0, 1)
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``logits_to_keep`` (transformers' causal LMs: the LM head runs on the last
+    positions only). Read from the signature of the class's ``forward``, through wrappers whose forward hands its
+    keyword arguments on to the model they wrap (FSDP1's and DDP's ``module``, PEFT's ``get_base_model()``)."""
+    import inspect
+
+    seen = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        try:
+            params = inspect.signature(type(model).forward).parameters
+        except (TypeError, ValueError):
+            return False
+        if "logits_to_keep" in params:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return False
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module) and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        model = inner if isinstance(inner, torch.nn.Module) else None
+    return False
+
+
 def _completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       completion: int, mask_positions: bool = False) -> torch.Tensor:
+                       completion: int, mask_positions: bool = False, keep: bool = False) -> torch.Tensor:
     """``[B, completion, V]`` fp32 logits that predict the last ``completion`` tokens of ``input_ids`` (with
-    ``mask_positions``, position ids from :func:`positions_from_mask`; else the model's default)."""
+    ``mask_positions``, position ids from :func:`positions_from_mask`; else the model's default). ``keep``: the
+    forward takes ``logits_to_keep`` (:func:`keeps_logits`), so it computes the ``completion + 1`` last positions'
+    logits only; else it computes every position's, and the completion's are copied out so that the whole tensor is
+    freed (no view keeps it alive)."""
     extra = {"position_ids": positions_from_mask(attention_mask)} if mask_positions else {}
+    if keep:
+        extra["logits_to_keep"] = completion + 1
     with plain_forward(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits[:, -completion - 1:-1].float()
+    del out
+    wanted = logits[:, -completion - 1:-1].float()
+    if logits.shape[1] > completion + 1 and wanted.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        wanted = wanted.clone()  # a view would keep every position's logits alive
+    return wanted
 
 
 class PolicyLagProbe:
@@ -322,8 +465,10 @@ class PolicyLagProbe:
     The adapter gives the two weight views of its model as parameter -> tensor functions (None: the parameter as it
     is): ``served`` (what the rollout engine holds) and ``master`` (what the optimizer trains). A measurement is two
     no-grad fp32 forwards over the ``seqs`` sequences, one per view, in as few chunks as :data:`LOGIT_BUDGET` allows
-    (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes: one sequence per chunk at 1,000 tokens x 152k vocabulary,
-    1.2 GB), plus one module's other weights at a time and float64 scratch for :data:`POSITION_CHUNK` positions."""
+    (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes, where T is the completion + 1 for a forward that takes
+    ``logits_to_keep`` (:func:`keeps_logits`: transformers' causal LMs), else the whole sequence: one sequence per
+    chunk at 1,000 tokens x 152k vocabulary, 1.2 GB), plus one module's other weights at a time and float64 scratch
+    for :data:`POSITION_CHUNK` positions. Attention runs as :func:`sdpa_attention` says."""
 
     def __init__(self, every: int, seqs: int = DEFAULT_SEQS):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -362,23 +507,23 @@ class PolicyLagProbe:
         rows = []
         device_type = completion_ids.device.type
         count, length = min(self.seqs, completion_ids.shape[0]), completion_ids.shape[1]
-        chunk = chunk_size(count, length, getattr(getattr(model, "config", None), "vocab_size", None))
-        was_training = model.training
-        model.eval()  # no dropout: both views score the same function of the weights
-        try:
-            with torch.autocast(device_type=device_type, enabled=False):
-                for i, j, counted in chunk_slices(count, chunk, collective=collective):
-                    ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
-                    att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
-                    with swap(model, served):
-                        s = _completion_logits(model, ids, att, length, mask_positions)
-                    with swap(model, master):
-                        m = _completion_logits(model, ids, att, length, mask_positions)
-                    if counted:
-                        rows.append(sequence_stats(s, m, completion_ids[i:j], count_mask[i:j], temperature))
-                    del s, m
-        finally:
-            model.train(was_training)
+        keep = keeps_logits(model)
+        positions = length + 1 if keep else prompt_ids.shape[1] + length
+        chunk = chunk_size(count, positions, getattr(getattr(model, "config", None), "vocab_size", None))
+        with eval_mode(model), torch.autocast(device_type=device_type, enabled=False), sdpa_attention(model):
+            for i, j, counted in chunk_slices(count, chunk, collective=collective):
+                ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
+                att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
+                with swap(model, served):
+                    s = _completion_logits(model, ids, att, length, mask_positions, keep)
+                with swap(model, master):
+                    m = _completion_logits(model, ids, att, length, mask_positions, keep)
+                if counted:  # the tokens and masks where the logits are (the forward's compute device; no host
+                    # sync to an accelerator, a blocking copy to the CPU, which reads it at once)
+                    to = dict(device=s.device, non_blocking=s.device.type != "cpu")
+                    tokens, counts = completion_ids[i:j].to(**to), count_mask[i:j].to(**to)
+                    rows.append(sequence_stats(s, m, tokens, counts, temperature))
+                del s, m
         new = torch.cat(rows).cpu() if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
         self.pending = new if self.pending is None else torch.cat([self.pending, new])
 
@@ -390,8 +535,9 @@ class PolicyLagProbe:
 
 
 def chunk_size(count: int, length: int, vocab: Optional[int], budget: Optional[int] = None) -> int:
-    """Sequences per forward of the probe: as many of ``count`` sequences of ``length`` positions as fit both views'
-    fp32 logits (``8 * length * vocab`` bytes a sequence) in ``budget`` (default :data:`LOGIT_BUDGET`), at least one;
+    """Sequences per forward of the probe: as many of ``count`` sequences, each with logits at ``length`` positions, as
+    fit both views' fp32 logits (``8 * length * vocab`` bytes a sequence) in ``budget`` (default
+    :data:`LOGIT_BUDGET`), at least one;
     all ``count`` (at least one) when the vocabulary size is not known."""
     if not vocab:
         return max(1, count)
@@ -416,9 +562,16 @@ def chunk_slices(count: int, chunk: int, *, collective: bool = False, device=Non
 
 
 def _collective_device():
+    """Where the default group's collectives run: the CPU when the group has a CPU backend (``gloo``; verl's
+    ``cpu:gloo,cuda:nccl``), else the current CUDA device (``nccl``, or only ``cuda:nccl``)."""
     import torch.distributed as dist
 
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    backend = str(dist.get_backend())
+    if ":" in backend:  # a device -> backend map
+        on_cpu = any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    else:
+        on_cpu = backend != "nccl"
+    return torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
 def _most_over_ranks(n: int, device=None) -> int:
@@ -480,6 +633,6 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
     return out
 
 
-__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "gather_rows", "hooks_detached",
-           "metrics_of", "refuse_policy_metrics", "sequence_stats", "served_weight", "summarize", "swap_hooks",
-           "vocab_parallel_sequence_stats", "weights_swapped", "widened"]
+__all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "eval_mode", "gather_rows",
+           "hooks_detached", "keeps_logits", "metrics_of", "refuse_policy_metrics", "sdpa_attention", "sequence_stats",
+           "served_weight", "summarize", "swap_hooks", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]

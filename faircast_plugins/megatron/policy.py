@@ -49,8 +49,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..patching import FairCastPatchError
-from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, chunk_size, chunk_slices, gather_rows, metrics_of,
-                          sequence_stats, vocab_parallel_sequence_stats, weights_swapped, widened)
+from ..policy_lag import (DEFAULT_SEQS, LOGIT_BUDGET, PolicyLagProbe, chunk_size, chunk_slices, eval_mode, gather_rows,
+                          metrics_of, sequence_stats, vocab_parallel_sequence_stats, weights_swapped, widened)
 from .layout import _unwrap, dp_ranges, float16_pairs, first_device, sub_optimizers
 
 WHERE = "the faircast/policy_* metrics under Megatron-core (faircast_plugins.megatron.policy)"
@@ -288,25 +288,21 @@ class MegatronPolicyProbe:
         local_vocab = self._local_vocab()  # unknown: one sequence per forward (every stage chunks alike)
         chunk = 1 if local_vocab is None else chunk_size(count, length, local_vocab, LOGIT_BUDGET)
         rows = []
-        was_training = self.model.training
-        self.model.eval()
         tp_group = ps.get_tensor_model_parallel_group()
-        try:
-            with torch.autocast(device_type=input_ids.device.type, enabled=False), fp32_softmax(self.model):
-                # the master view's all-reduces pair up over the ranks: as many forwards on each (policy_lag)
-                for i, j, counted in chunk_slices(count, chunk, collective=self.master.collective,
-                                                  device=first_device(self.optimizer)):
-                    ids, pos = input_ids[i:j], position_ids[i:j]
-                    att = attention_mask[i:j] if attention_mask is not None and attention_mask.shape[0] > 1 else attention_mask
-                    s = self._logits(served_view, ids, pos, att)
-                    m = self._logits(self.master, ids, pos, att)
-                    if s is not None and counted:
-                        args = counted_positions(s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:])
-                        rows.append(vocab_parallel_sequence_stats(*args, temperature, group=tp_group) if tp > 1
-                                    else sequence_stats(*args, temperature))  # TP 1: the whole vocabulary here
-                    del s, m
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.autocast(device_type=input_ids.device.type, enabled=False), \
+                fp32_softmax(self.model):
+            # the master view's all-reduces pair up over the ranks: as many forwards on each (policy_lag)
+            for i, j, counted in chunk_slices(count, chunk, collective=self.master.collective,
+                                              device=first_device(self.optimizer)):
+                ids, pos = input_ids[i:j], position_ids[i:j]
+                att = attention_mask[i:j] if attention_mask is not None and attention_mask.shape[0] > 1 else attention_mask
+                s = self._logits(served_view, ids, pos, att)
+                m = self._logits(self.master, ids, pos, att)
+                if s is not None and counted:
+                    args = counted_positions(s[:, :-1], m[:, :-1], ids[:, 1:], token_mask[i:j, 1:])
+                    rows.append(vocab_parallel_sequence_stats(*args, temperature, group=tp_group) if tp > 1
+                                else sequence_stats(*args, temperature))  # TP 1: the whole vocabulary here
+                del s, m
         new = torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=input_ids.device)
         new = self._from_last_stage(new, count).cpu()
         self.probe.pending = new if self.probe.pending is None else torch.cat([self.probe.pending, new])

@@ -448,3 +448,88 @@ def test_collective_probe_runs_as_many_forwards_on_every_rank(tmp_path):
     assert [r[True][0] for r in ranks] == [8, 8]
     for r, seqs in zip(ranks, (2, 4)):
         assert r[True][1].shape[0] == seqs and torch.equal(r[True][1], r[False][1])
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["measured", "a view raises"])
+def test_probe_runs_every_module_in_eval_and_gives_each_its_own_mode_back(raises):
+    """L3: the forwards run with every module in eval mode (no dropout); after them each module is back in its own
+    mode, not the root's: a submodule the user kept in eval (a frozen tower) stays in eval, also when a forward
+    raises."""
+    model = TinyLM(0)
+    model.train()
+    model.mix.eval()
+    seen = []
+    model.mix.register_forward_pre_hook(lambda m, args: seen.append([x.training for x in model.modules()]))
+
+    def served(p):
+        if raises:
+            raise RuntimeError("a view that fails")
+        return p.data.to(torch.bfloat16).float()
+    probe = PolicyLagProbe(every=1, seqs=2)
+    if raises:
+        with pytest.raises(RuntimeError, match="a view that fails"):
+            probe.measure(model, 0, *_batch(seqs=2), served=served, master=lambda p: None)
+    else:
+        probe.measure(model, 0, *_batch(seqs=2), served=served, master=lambda p: None)
+        assert seen and not any(any(s) for s in seen)
+    assert model.training and model.embed.training and model.head.training and not model.mix.training
+
+
+def test_collective_device_is_cuda_when_the_default_group_has_no_cpu_backend(monkeypatch):
+    """A default group of only ``cuda:nccl`` has no CPU backend: the collectives' tensors go to CUDA (before: the CPU,
+    which no backend of the group serves); verl's ``cpu:gloo,cuda:nccl`` keeps them on the CPU."""
+    import torch.distributed as dist
+
+    import faircast_plugins.policy_lag as pl
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    cuda, cpu = torch.device("cuda", 3), torch.device("cpu")
+    for backend, want in [("nccl", cuda), ("cuda:nccl", cuda), ("cpu:gloo,cuda:nccl", cpu), ("cuda:nccl,cpu:gloo", cpu),
+                          ("gloo", cpu), ("cpu:gloo", cpu)]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: dist.Backend(b))
+        assert pl._collective_device() == want, backend
+
+
+def test_probe_scores_tokens_and_masks_on_the_logits_device(monkeypatch):
+    """The statistics get the tokens and masks on the device of the logits (a model whose compute device is not where
+    the adapter put the batch: FSDP2 with CPU offload hands the forward to CUDA): moved before ``sequence_stats``."""
+    import faircast_plugins.policy_lag as pl
+
+    class Elsewhere(torch.nn.Module):  # logits on another device than the batch ("meta" stands in for CUDA here)
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {"vocab_size": VOCAB})()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, VOCAB, device="meta")})()
+
+    seen = []
+
+    def stats(s, m, tokens, mask, temperature):
+        seen.append({s.device.type, m.device.type, tokens.device.type, mask.device.type})
+        return torch.zeros(tokens.shape[0], 3, dtype=torch.float64)
+    monkeypatch.setattr(pl, "sequence_stats", stats)
+    PolicyLagProbe(every=1, seqs=2).measure(Elsewhere(), 0, *_batch(seqs=2), served=lambda p: None,
+                                            master=lambda p: None)
+    assert seen == [{"meta"}]
+
+
+@pytest.mark.parametrize("rebind", [False, True])
+def test_a_view_that_raises_midway_through_a_module_leaves_its_parameters_as_they_were(rebind):
+    """A view raising on a module's second parameter (e.g. out of memory): the first, already swapped, goes back."""
+    model = TinyLM(0)
+    before = {n: (p, p.data) for n, p in model.named_parameters()}
+    calls = []
+
+    def view(p):
+        calls.append(p)
+        if p is model.mix.bias:
+            raise RuntimeError("a view that fails")
+        return p.detach().to(torch.bfloat16).float()
+    with pytest.raises(RuntimeError, match="a view that fails"):
+        with weights_swapped(model, view, rebind=rebind):
+            model(torch.zeros(1, 3, dtype=torch.long))
+    assert any(p is model.mix.weight for p in calls)  # the weight was swapped before the bias failed
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and p.data.data_ptr() == before[n][1].data_ptr(), n

@@ -26,6 +26,7 @@ def _check(results, name, dp):
         # step 0: the masters are Megatron's fp32 copies of the bf16 init: the views agree exactly
         assert first["faircast/policy_kl"] == 0.0 and first["faircast/policy_ess_frac"] == 1.0, first
         assert r["params_unchanged"] and r["shards_unchanged"], r
+        assert r["modes_kept"], "a submodule kept in eval came back in the training model's mode"
         assert r["same_as_control"], "the run with the probe did not train exactly as the run without"
         assert r["master_view_exact"], "the assembled master view differs from the optimizer's masters"
         assert r["served_view_is"], f"served view != {'fair_cast' if faircast else 'round to nearest'}(master)"

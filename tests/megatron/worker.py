@@ -615,8 +615,15 @@ def policy(name, opts):
         if s == 2:
             before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
             shards = [m.detach().clone() for o in getattr(optimizer, "chained_optimizers", [optimizer]) for m in _mains(o)]
+            # a submodule kept in eval (a frozen block) inside the training model: each module's own mode comes back
+            frozen = [m for m in model.module.modules() if next(m.parameters(recurse=False), None) is not None][0]
+            model.train()
+            frozen.eval()
+            modes = [m.training for m in model.modules()]
         fc.policy.measure(step, ids, pos, mask)
         if s == 2:
+            out["modes_kept"] = [m.training for m in model.modules()] == modes and not frozen.training
+            frozen.train()
             after = dict(model.module.named_parameters())
             out["params_unchanged"] = all(before[n].dtype == p.dtype and torch.equal(_bits(before[n]), _bits(p))
                                           for n, p in after.items())

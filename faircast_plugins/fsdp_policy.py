@@ -205,8 +205,7 @@ def _gathered_masters(modules2, states2):
     registered tensors (sharded or FSDP's unsharded ones) are put back after."""
     groups = {id(m): _param_groups(s) for m, s in zip(modules2, states2)}
 
-    def swap_in(module, args, kwargs):
-        swapped = []
+    def swap_in(module, args, kwargs, swapped):
         for group in groups[id(module)]:
             for fsdp_param, full in zip(group.fsdp_params, gathered_group(group)):
                 info = fsdp_param._module_info
@@ -214,7 +213,7 @@ def _gathered_masters(modules2, states2):
                                                                                 info.shared_param_names)):
                     swapped.append((owner, name, owner._parameters[name]))
                     owner._parameters[name] = full
-        return swapped, args, kwargs
+        return args, kwargs
 
     def put_back(swapped):
         for owner, name, p in reversed(swapped):
@@ -291,8 +290,7 @@ def owned_swapped(slots: Dict[int, Tuple[nn.Module, List[str]]], view: _View):
     """Forwards inside read ``view`` instead of each listed attribute: swapped in by a forward pre-hook on its module
     and back by a forward hook, so at most one module's other copy is alive at a time. A parameter (FSDP2, FSDP1 with
     ``use_orig_params``) gets its ``.data`` swapped; a plain tensor attribute (FSDP1's unsharded views) is set."""
-    def pre(module, args, kwargs):
-        swapped = []
+    def pre(module, args, kwargs, swapped):
         for name in slots[id(module)][1]:
             t = getattr(module, name)
             if not isinstance(t, torch.Tensor):
@@ -306,7 +304,7 @@ def owned_swapped(slots: Dict[int, Tuple[nn.Module, List[str]]], view: _View):
             else:  # FSDP1's plain tensor view, an instance attribute (set as nn.Module's checks would refuse it)
                 swapped.append((module, name, t))
                 module.__dict__[name] = other
-        return swapped, args, kwargs
+        return args, kwargs
 
     def put_back(swapped):
         for owner, name, data in reversed(swapped):

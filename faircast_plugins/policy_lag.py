@@ -2,8 +2,9 @@
 
 The audit (:mod:`faircast_plugins.audit`) measures the lag in weight space (``faircast/lag_steps``); a user cannot
 read from it what the lag does to their samples. This measures it where it acts: on a few sequences of the current
-batch, the served copy (the bf16 weights the rollout engine sampled them from) and the fp32 master (the policy the
-loss trains) each score the same tokens, and
+batch, the served copy (the bf16 weights of the current version, what the engine holds after a sync now; the
+batch's own sampler only if it was synced right before this step: docs/metrics.md, "Which served copy") and the fp32
+master (the policy the loss trains) each score the same tokens, and
 
 ``faircast/policy_kl``
     the mean per-token KL(served || master) over the completion tokens, exact over the vocabulary
@@ -156,15 +157,21 @@ def summarize(stats: torch.Tensor) -> Dict[str, float]:
 
 @contextmanager
 def swap_hooks(modules, swap_in: Callable, put_back: Callable):
-    """Forwards of ``modules`` inside run between ``swap_in(module, args, kwargs) -> (swapped, args, kwargs)``, the
+    """Forwards of ``modules`` inside run between ``swap_in(module, args, kwargs, swapped) -> (args, kwargs)``, the
     innermost forward pre-hook (registered last: after e.g. DeepSpeed ZeRO-3's all-gather of the module's partitions),
-    and ``put_back(swapped)``, the innermost forward hook (``prepend=True``: before e.g. ZeRO-3's or FSDP's release of
-    the gathered weights; ``always_call``: also when the forward raises). Whatever is still swapped on exit is put
-    back."""
+    which appends what it swaps to the list ``swapped``, and ``put_back(swapped)``, the innermost forward hook
+    (``prepend=True``: before e.g. ZeRO-3's or FSDP's release of the gathered weights; ``always_call``: also when the
+    forward raises). A ``swap_in`` that raises part way (a view or a gather out of memory) has what it swapped put
+    back before the error goes on; whatever is still swapped on exit is put back."""
     saved: Dict[int, List] = {}
 
     def pre(module, args, kwargs):
-        swapped, args, kwargs = swap_in(module, args, kwargs)
+        swapped: List = []
+        try:
+            args, kwargs = swap_in(module, args, kwargs, swapped)
+        except BaseException:
+            put_back(swapped)
+            raise
         saved.setdefault(id(module), []).append(swapped)
         return args, kwargs
 
@@ -238,29 +245,24 @@ def weights_swapped(model: torch.nn.Module, view: Callable[[torch.nn.Parameter],
     changes dtype, dropping the hooks registered on it: Megatron's DDP reduces gradients from such hooks)."""
     extra = {id(m): list(ps) for m, ps in (shared or {}).items()}
 
-    def swap_in(module, args, kwargs):
-        swapped = []
-        try:
-            if rebind:
-                for name, p in list(module._parameters.items()):
-                    other = view(p) if p is not None else None
-                    if other is not None:
-                        swapped.append((module, name, p))
-                        module._parameters[name] = other
-                others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
-                if others:
-                    args = tuple(others.get(id(a), a) for a in args)
-                    kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
-            else:
-                for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
-                    other = view(p)
-                    if other is not None:
-                        swapped.append((p, p.data))
-                        p.data = other
-        except BaseException:  # a view that raises part way (e.g. out of memory): what is swapped goes back
-            put_back(swapped)
-            raise
-        return swapped, args, kwargs
+    def swap_in(module, args, kwargs, swapped):
+        if rebind:
+            for name, p in list(module._parameters.items()):
+                other = view(p) if p is not None else None
+                if other is not None:
+                    swapped.append((module, name, p))
+                    module._parameters[name] = other
+            others = {id(p): o for p in extra.get(id(module), ()) if (o := view(p)) is not None}
+            if others:
+                args = tuple(others.get(id(a), a) for a in args)
+                kwargs = {k: others.get(id(v), v) for k, v in kwargs.items()}
+        else:
+            for p in [*module.parameters(recurse=False), *extra.get(id(module), ())]:
+                other = view(p)
+                if other is not None:
+                    swapped.append((p, p.data))
+                    p.data = other
+        return args, kwargs
 
     def put_back(swapped):
         for item in swapped:

@@ -153,7 +153,8 @@ def refused_layouts() -> List[str]:
 
 class MegatronPolicyProbe:
     """Measures ``faircast/policy_*`` on a Megatron-core model every ``every`` optimizer steps (before the update:
-    the served copy and the masters are then one weight version, the one the batch was sampled from).
+    the served copy and the masters are then one weight version; the batch was sampled from it only if the engine was
+    synced right before this step: docs/metrics.md, "Which served copy").
 
     ``optimizer``: what ``get_megatron_optimizer`` returned for the policy; ``model_chunks``: its model (one chunk:
     virtual pipeline stages are refused). ``caster``: the FairCaster given to :func:`.apply_megatron_patch`, marked

@@ -533,3 +533,23 @@ def test_a_view_that_raises_midway_through_a_module_leaves_its_parameters_as_the
     assert any(p is model.mix.weight for p in calls)  # the weight was swapped before the bias failed
     for n, p in model.named_parameters():
         assert p is before[n][0] and p.data.data_ptr() == before[n][1].data_ptr(), n
+
+
+def test_fsdp_owned_views_that_raise_midway_leave_the_module_as_it_was():
+    """The FSDP probe's per-attribute swap (fsdp_policy.owned_swapped: a Parameter's ``.data``, or FSDP1's plain
+    tensor attribute) shares swap_hooks' put-back: a view raising on the second attribute leaves the first as it was."""
+    from faircast_plugins.fsdp_policy import _View, owned_swapped
+
+    model = TinyLM(0)
+    weight = model.mix.weight.data
+    plain = torch.zeros(2)
+    model.mix.__dict__["plain"] = plain  # FSDP1's unsharded views are instance attributes
+
+    def view(module, name, t):
+        if name == "bias":
+            raise RuntimeError("a view that fails")
+        return t.detach().to(torch.bfloat16).float()
+    with pytest.raises(RuntimeError, match="a view that fails"):
+        with owned_swapped({id(model.mix): (model.mix, ["weight", "plain", "bias"])}, _View(view)):
+            model(torch.zeros(1, 3, dtype=torch.long))
+    assert model.mix.weight.data.data_ptr() == weight.data_ptr() and model.mix.__dict__["plain"] is plain

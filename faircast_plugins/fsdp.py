@@ -390,6 +390,8 @@ def _reshard_fsdp1(units) -> None:
         handle = unit._handle
         if handle is None or not handle.uses_sharded_strategy:  # NO_SHARD casts its flat parameter at every unshard
             continue
+        if not hasattr(handle.flat_param, "_full_param_padded"):  # before FSDP's lazy init: nothing gathered yet
+            continue
         padded = handle._get_padded_unsharded_flat_param()
         if padded.untyped_storage().size() > 0:
             handle.reshard(True)

@@ -246,9 +246,12 @@ def _measure_case(rank: int, case: dict) -> dict:
     batch = _batch(rank)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     try:
+        if case.get("register_first"):
+            fsdp.apply_fsdp_cast_patches()
+            fsdp.register_fsdp_module(model, caster)
         with torch.no_grad():  # lazy init; FSDP1 keeps the root unit's round-to-nearest unsharded copy after it
             model(input_ids=ids)  # (SHARD_GRAD_OP: every unit's), FSDP2 the root module's
-        if case["on"]:
+        if case["on"] and not case.get("register_first"):
             fsdp.apply_fsdp_cast_patches()
             fsdp.register_fsdp_module(model, caster)
         before_out, seen = _computed_with(model, ids)  # the first forward registered computes with Fair Cast's copy
@@ -334,7 +337,9 @@ CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, t
          dict(kind="fsdp1", on=False, tied=True, full_prec_eval=True),
          # verl's reshard_after_forward: false (FSDP1 keeps every non-root unit unsharded after its forward)
          dict(kind="fsdp1", on=True, tied=False, strategy="SHARD_GRAD_OP"),
-         dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP")]
+         dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP"),
+         # registered before FSDP1's lazy init (verl's activate), where every other case registers after a forward
+         dict(kind="fsdp1", on=True, tied=True, register_first=True)]
 #: measured in the same launches, no one-process reference: error feedback's served copy holds state (its residual)
 EF_CASE = dict(kind="fsdp2", on=True, tied=False, mode="error_feedback")
 _RUNS: dict = {}
@@ -344,7 +349,9 @@ def _case_id(case: dict) -> str:
     mode = f"-{case['mode']}" if "mode" in case else ""
     strategy = f"-{case['strategy']}" if "strategy" in case else ""
     full = "-full_prec_eval" if case.get("full_prec_eval") else ""
-    return f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}{full}"
+    first = "-register_first" if case.get("register_first") else ""
+    return (f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}{full}"
+            f"{first}")
 
 
 def _run(case: dict, world: int) -> list:

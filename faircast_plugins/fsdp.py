@@ -364,12 +364,44 @@ def _register_fsdp1(root: nn.Module, caster: FairCaster, trainable_only: bool) -
 
 def _reshard_fsdp2(root: nn.Module) -> None:
     """Reshard every FSDP2 module under ``root``: a root FSDP2 module keeps its unsharded parameters registered after
-    a forward (until its backward), and those are not the ``FSDPParam.sharded_param`` objects registration looks up."""
+    a forward (until its backward), and those are not the ``FSDPParam.sharded_param`` objects registration looks up;
+    its next forward would also compute with that kept bf16 copy, cast before Fair Cast was (un)registered."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def fsdp1_modules(root: nn.Module) -> list:
+    """The FSDP1 units under ``root`` (``FullyShardedDataParallel`` modules), in module order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m for m in root.modules() if isinstance(m, FSDP)]
+
+
+def _reshard_fsdp1(units) -> None:
+    """Free every FSDP1 unit's unsharded flat parameter that is still allocated (FSDP1 keeps the root unit's after its
+    forward, and under SHARD_GRAD_OP every unit's, until the backward): the next unshard then gathers the current
+    shards, in whichever precision is asked for, cast by whatever is registered then. A kept copy is reused as it is:
+    registered after a forward, the next forwards (all of them, while no backward runs) would compute with FSDP's
+    round-to-nearest copy, and unregistered, with Fair Cast's."""
+    for unit in units:
+        handle = unit._handle
+        if handle is None or not handle.uses_sharded_strategy:  # NO_SHARD casts its flat parameter at every unshard
+            continue
+        if not hasattr(handle.flat_param, "_full_param_padded"):  # before FSDP's lazy init: nothing gathered yet
+            continue
+        padded = handle._get_padded_unsharded_flat_param()
+        if padded.untyped_storage().size() > 0:
+            handle.reshard(True)
+            handle.post_reshard()
+
+
+def _reshard(root: nn.Module) -> None:
+    """Drop every bf16 compute copy FSDP keeps under ``root`` (FSDP2 and FSDP1): the next forward gathers anew."""
+    _reshard_fsdp2(root)
+    _reshard_fsdp1(fsdp1_modules(root))
 
 
 def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only: bool = True) -> Dict[str, str]:
@@ -382,9 +414,15 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
     canonical (Hugging Face) names, so tied parameters use their first name. With ``trainable_only`` (default),
     frozen parameters keep FSDP's round-to-nearest cast (they never move, so there is nothing to make fair,
     and stochastic rounding would make them jitter between versions). Call :func:`apply_fsdp_cast_patches` too.
+
+    Registering after a forward is fine: every bf16 compute copy FSDP kept from it (an FSDP2 root module's, an FSDP1
+    root unit's, every FSDP1 unit's under SHARD_GRAD_OP) is dropped first, so the next forward gathers Fair Cast's
+    copy. Register outside a forward and backward (between them, the autograd graph holds the kept copy).
     """
     refuse_policy_metrics(caster, "register_fsdp_module (FSDP under TRL and verl)")
-    _reshard_fsdp2(root)  # names are read from the sharded parameters FSDP2 registers on the modules
+    # FSDP2: names are read from the sharded parameters it registers on the modules; both: a bf16 copy kept from an
+    # earlier forward (round to nearest) would be computed with again instead of Fair Cast's
+    _reshard(root)
     names = {id(p): canonical_name(n) for n, p in root.named_parameters()}
     _LAYOUTS.pop(caster, None)  # shard layouts are learnt again at the next export
     registered = {**_register_fsdp2(root, caster, names, trainable_only), **_register_fsdp1(root, caster, trainable_only)}
@@ -564,8 +602,9 @@ def uneven_shards(root) -> List[str]:
 
 
 def unregister_fsdp_module(root: nn.Module) -> None:
-    """Give ``root`` back FSDP's stock cast."""
+    """Give ``root`` back FSDP's stock cast, from its next forward on (the bf16 copies FSDP keeps are dropped)."""
     _LAYOUTS.clear()
+    _reshard(root)
     for module in root.modules():
         handle = getattr(module, "_handle", None)
         if handle is not None and hasattr(handle, _ATTR):

@@ -44,7 +44,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .fsdp import _all_gather, _param_groups
+from .fsdp import _all_gather, _param_groups, _reshard_fsdp1, fsdp1_modules
 from .patching import FairCastPatchError
 from .policy_lag import hooks_detached, swap_hooks, widened
 
@@ -72,13 +72,6 @@ class _View:
         else:
             with self.around():
                 yield
-
-
-def fsdp1_modules(root: nn.Module) -> list:
-    """The FSDP1 units under ``root`` (``FullyShardedDataParallel`` modules), in module order."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return [m for m in root.modules() if isinstance(m, FSDP)]
 
 
 def _fsdp2_owners(states) -> Dict[Tuple[int, str], object]:
@@ -242,19 +235,6 @@ def _no_input_casts(states2, units1):
     finally:
         for obj, attr, value in reversed(saved):
             setattr(obj, attr, value)
-
-
-def _reshard_fsdp1(units) -> None:
-    """Free every FSDP1 unit's unsharded flat parameter that is still allocated (FSDP1 keeps the root's after its
-    forward): the next unshard then gathers the current shards, in whichever precision is asked for."""
-    for unit in units:
-        handle = unit._handle
-        if handle is None or not handle.uses_sharded_strategy:
-            continue
-        padded = handle._get_padded_unsharded_flat_param()
-        if padded.untyped_storage().size() > 0:
-            handle.reshard(True)
-            handle.post_reshard()
 
 
 @contextmanager

@@ -115,16 +115,42 @@ def _shards(model) -> list:
     return out
 
 
-def _reshard_fsdp1(model) -> None:
-    """Free the unsharded flat parameters FSDP1 keeps after a forward: the root's, and with SHARD_GRAD_OP every
-    unit's."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _computed_with(model, ids) -> tuple:
+    """One no-grad forward: its output, and ``{parameter name: weight}`` every leaf module computes with (read by a
+    forward pre-hook, after FSDP's unshard)."""
+    from faircast_plugins.key import canonical_name
 
-    for unit in model.modules():
-        handle = getattr(unit, "_handle", None) if isinstance(unit, FSDP) else None
-        if handle is not None and handle.uses_sharded_strategy and \
-                handle._get_padded_unsharded_flat_param().untyped_storage().size():
-            handle.reshard(True)
+    seen, handles = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding)):
+            def hook(mod, args, prefix=canonical_name(name)):
+                for attr in ("weight", "bias"):
+                    if getattr(mod, attr, None) is not None:
+                        seen.setdefault(f"{prefix}.{attr}", getattr(mod, attr).detach().clone())
+            handles.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids)[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    return out, seen
+
+
+def _not_computed_with(seen: dict, case: dict, fair: bool) -> list:
+    """The parameters whose weight in ``seen`` is not the served copy of the full fp32 master: Fair Cast's at version
+    0 (keyed by the first name of a tied parameter) with ``fair``, round to nearest without."""
+    from faircast_plugins.key import canonical_name
+
+    masters = _masters(case["tied"])
+    first = {id(p): canonical_name(n) for n, p in masters.named_parameters()}
+    caster = FairCaster(FairCastConfig(enabled=True, seed=SEED, mode=case.get("mode", "stochastic")))
+    wrong = []
+    for name, p in masters.named_parameters(remove_duplicate=False):
+        want = caster.cast(first[id(p)], p.detach()) if fair else p.detach().bfloat16()
+        if name not in seen or not torch.equal(seen[name], want):
+            wrong.append(name)
+    return wrong
 
 
 def _count_full_precision_units(model) -> dict:
@@ -220,13 +246,16 @@ def _measure_case(rank: int, case: dict) -> dict:
     batch = _batch(rank)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     try:
-        with torch.no_grad():
-            model(input_ids=ids)  # lazy init
-            if case["on"]:
-                fsdp.apply_fsdp_cast_patches()
-                fsdp.register_fsdp_module(model, caster)
-            _reshard_fsdp1(model)  # FSDP1 keeps the lazy-init forward's round-to-nearest copy until then
-            before_out = model(input_ids=ids)[0].float()
+        if case.get("register_first"):
+            fsdp.apply_fsdp_cast_patches()
+            fsdp.register_fsdp_module(model, caster)
+        with torch.no_grad():  # lazy init; FSDP1 keeps the root unit's round-to-nearest unsharded copy after it
+            model(input_ids=ids)  # (SHARD_GRAD_OP: every unit's), FSDP2 the root module's
+        if case["on"] and not case.get("register_first"):
+            fsdp.apply_fsdp_cast_patches()
+            fsdp.register_fsdp_module(model, caster)
+        before_out, seen = _computed_with(model, ids)  # the first forward registered computes with Fair Cast's copy
+        registered_wrong = _not_computed_with(seen, case, fair=case["on"])
         before = _shards(model)
         probe = PolicyLagProbe(1, SEQS)
         views = FSDPPolicyViews(model)
@@ -254,7 +283,12 @@ def _measure_case(rank: int, case: dict) -> dict:
         after = _shards(model)
         with torch.no_grad():
             after_out = model(input_ids=ids)[0].float()
+        unregistered_wrong = []
+        if case["on"]:  # the forward after it computes with round to nearest again (none of Fair Cast's copy kept)
+            fsdp.unregister_fsdp_module(model)
+            unregistered_wrong = _not_computed_with(_computed_with(model, ids)[1], case, fair=False)
         return {"rows": rows, "same_shards": all(torch.equal(a, b) for a, b in zip(before, after)),
+                "registered_wrong": registered_wrong, "unregistered_wrong": unregistered_wrong,
                 "same_forward": torch.equal(before_out, after_out), "dtype": str(before_out.dtype),
                 "full_units": full_units["most"], "full_after": full_units["count"](), "fallbacks": len(fallbacks),
                 "fsdp_gathers": fsdp_gathers["n"], "group_gathers": group_gathers["n"],
@@ -303,7 +337,9 @@ CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, t
          dict(kind="fsdp1", on=False, tied=True, full_prec_eval=True),
          # verl's reshard_after_forward: false (FSDP1 keeps every non-root unit unsharded after its forward)
          dict(kind="fsdp1", on=True, tied=False, strategy="SHARD_GRAD_OP"),
-         dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP")]
+         dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP"),
+         # registered before FSDP1's lazy init (verl's activate), where every other case registers after a forward
+         dict(kind="fsdp1", on=True, tied=True, register_first=True)]
 #: measured in the same launches, no one-process reference: error feedback's served copy holds state (its residual)
 EF_CASE = dict(kind="fsdp2", on=True, tied=False, mode="error_feedback")
 _RUNS: dict = {}
@@ -313,7 +349,9 @@ def _case_id(case: dict) -> str:
     mode = f"-{case['mode']}" if "mode" in case else ""
     strategy = f"-{case['strategy']}" if "strategy" in case else ""
     full = "-full_prec_eval" if case.get("full_prec_eval") else ""
-    return f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}{full}"
+    first = "-register_first" if case.get("register_first") else ""
+    return (f"{case['kind']}{strategy}-{'on' if case['on'] else 'off'}{mode}{'-tied' if case['tied'] else ''}{full}"
+            f"{first}")
 
 
 def _run(case: dict, world: int) -> list:
@@ -332,6 +370,10 @@ def test_fsdp_views_equal_the_one_process_reference(case, world):
     want = _reference(case, world, served_on=case["on"])
     other = _reference(case, world, served_on=not case["on"])  # the copy the adapter must NOT serve
     for res in ranks:
+        # registered after a forward (FSDP1 kept the root unit's, under SHARD_GRAD_OP every unit's, unsharded copy;
+        # FSDP2 the root module's): the next forward computes with the served copy, and after unregistering with
+        # round to nearest again
+        assert res["registered_wrong"] == [] and res["unregistered_wrong"] == [], res
         assert res["fallbacks"] == 0  # FSDP2's masters came from one all-gather of the padded shards each
         assert res["same_shards"], "the measurement changed a shard"
         assert res["same_forward"], "the forward after the measurement differs from the one before"
@@ -391,6 +433,7 @@ def test_fsdp2_served_view_is_fsdps_gathered_bits(case, world):
     that copy; error feedback's master forward takes the one-gather path as well."""
     for res in _run(case, world):
         assert res["served_bits_equal"] and res["served_is_not_master"], res
+        assert res["registered_wrong"] == [] and res["unregistered_wrong"] == [], res
         assert res["same_shards"] and res["same_forward"], res
         assert res["per_param_reason"] is None and res["group_gathers"] == 3, res
         assert res["fsdp_gathers"] == (3 if world > 1 else 0), res

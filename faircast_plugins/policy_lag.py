@@ -22,7 +22,7 @@ master (the policy the loss trains) each score the same tokens, and
 
 Both forwards run in fp32 with autocast off, so the numbers measure the weights' difference only (not the bf16
 kernels' mismatch, which the stacks' own trainer-vs-engine checks see); a transformers model loaded with an attention
-implementation that takes 16-bit inputs only (flash-attn) runs them with SDPA (:func:`sdpa_attention`). With Fair
+implementation that takes 16-bit inputs only (flash-attn) runs them with SDPA (eager where its attention logits are soft-capped: :func:`fp32_attention`). With Fair
 Cast off the served copy is round to nearest of the master (what the standard export serves): the metric shows what
 its lag costs the batch; with Fair Cast on it shows what the unbiased copy's rounding noise costs.
 
@@ -32,7 +32,7 @@ sums; :func:`vocab_parallel_sequence_stats` the same from logits split over the 
 another copy of the weights, swapping each module's own parameters in just before it runs and back just after: at most one module's other copy is alive at a time, never a second model), :func:`served_weight` (the
 served copy of one master, by the export's cast), :func:`hooks_detached` (forwards without given hooks, e.g. FSDP2's
 or DeepSpeed ZeRO-3's gathers when the views bring the weights), :func:`chunk_size` / :func:`chunk_slices` (how many
-sequences per forward, and the forwards every rank runs: shared with the Megatron probe), :func:`sdpa_attention` /
+sequences per forward, and the forwards every rank runs: shared with the Megatron probe), :func:`fp32_attention` /
 :func:`keeps_logits` (the attention and the logits a transformers model's forwards run with) and
 :class:`PolicyLagProbe` (when to measure, and the measuring itself, given the adapter's two weight views).
 """
@@ -326,7 +326,8 @@ def eval_mode(model: torch.nn.Module):
                 module.training = training
 
 
-#: attention implementations the probe's fp32 forwards run as they are; any other is switched to ``"sdpa"`` for them
+#: attention implementations the probe's fp32 forwards run as they are; any other is switched for them
+#: (:func:`fp32_attention`)
 FP32_ATTENTION = ("eager", "sdpa")
 
 
@@ -357,11 +358,19 @@ def _attention_configs(model: torch.nn.Module) -> List[Tuple[object, Optional[to
     return list(found.values())
 
 
-def _sdpa_refused(owner: Optional[torch.nn.Module]) -> Optional[str]:
-    """Why ``owner`` (a transformers model) cannot run SDPA when its config says so; None when it can (or unknown)."""
+def _fp32_implementation(config) -> str:
+    """What a config's attention is switched to for fp32: ``"eager"`` where attention logits are soft-capped
+    (``attn_logit_softcapping``, Gemma 2: transformers' SDPA path drops the cap, flash-attn and eager apply it), else
+    ``"sdpa"``."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
+def _switch_refused(owner: Optional[torch.nn.Module], target: str) -> Optional[str]:
+    """Why ``owner`` (a transformers model) cannot run ``target`` attention when its config says so; None when it can
+    (or unknown)."""
     if owner is None:
         return None
-    if not getattr(owner, "_supports_sdpa", True):
+    if target == "sdpa" and not getattr(owner, "_supports_sdpa", True):
         return f"{type(owner).__name__} has no SDPA attention"
     can_set = getattr(type(owner), "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
@@ -371,22 +380,25 @@ def _sdpa_refused(owner: Optional[torch.nn.Module]) -> Optional[str]:
 
 
 @contextmanager
-def sdpa_attention(model: torch.nn.Module):
-    """Inside, the transformers models in ``model`` run attention with ``"sdpa"`` where their
-    ``attn_implementation`` is not one of :data:`FP32_ATTENTION`: the probe's forwards are fp32, which flash-attn
-    (``flash_attention_2``/``_3``, verl's and OpenRLHF's default) and other fp16/bf16 kernels refuse, while SDPA runs
-    fp32 in its CUDA kernels (memory-efficient attention: no ``[T, T]`` scores). Transformers' attention modules and
-    mask builders read ``config._attn_implementation`` at every forward, so the switch is that attribute on every
-    config found (:func:`_attention_configs`), set without transformers' checks (``set_attn_implementation`` would
-    check, and on restoring flash-attn import it, again) and put back exactly on exit, also when a forward raises.
-    FairCastPatchError, naming ``attn_implementation``, for a model that cannot be switched."""
+def fp32_attention(model: torch.nn.Module):
+    """Inside, the transformers models in ``model`` run attention that takes fp32 where their ``attn_implementation``
+    is not one of :data:`FP32_ATTENTION`: the probe's forwards are fp32, which flash-attn (``flash_attention_2``/``_3``,
+    verl's and OpenRLHF's default) and other fp16/bf16 kernels refuse. The switch is to ``"sdpa"`` (fp32 in its CUDA
+    kernels; memory-efficient attention, no ``[T, T]`` scores), or to ``"eager"`` for a model whose attention logits
+    are soft-capped (:func:`_fp32_implementation`: SDPA would drop the cap and score another function). Transformers'
+    attention modules and mask builders read ``config._attn_implementation`` at every forward, so the switch is that
+    attribute on every config found (:func:`_attention_configs`), set without transformers' checks
+    (``set_attn_implementation`` would check, and on restoring flash-attn import it, again) and put back exactly on
+    exit, also when a forward raises. FairCastPatchError, naming ``attn_implementation``, for a model that cannot be
+    switched."""
     switched = []
     try:
         for config, owner in _attention_configs(model):
             current = config._attn_implementation
             if current is None or current in FP32_ATTENTION:
                 continue
-            problem = _sdpa_refused(owner)
+            target = _fp32_implementation(config)
+            problem = _switch_refused(owner, target)
             if problem is not None:
                 from .patching import FairCastPatchError
 
@@ -395,7 +407,7 @@ def sdpa_attention(model: torch.nn.Module):
                     f"not run, and {problem}. Load the policy with attn_implementation='sdpa' (or 'eager'), or turn "
                     f"the policy metrics off (policy_metrics_every 0)")
             switched.append((config, config.__dict__.get("_attn_implementation_internal", current)))
-            _set_attention(config, "sdpa")
+            _set_attention(config, target)
         yield
     finally:
         for config, before in reversed(switched):
@@ -470,7 +482,7 @@ class PolicyLagProbe:
     (both views' ``[n, T, V]`` fp32 logits, ``8 n T V`` bytes, where T is the completion + 1 for a forward that takes
     ``logits_to_keep`` (:func:`keeps_logits`: transformers' causal LMs), else the whole sequence: one sequence per
     chunk at 1,000 tokens x 152k vocabulary, 1.2 GB), plus one module's other weights at a time and float64 scratch
-    for :data:`POSITION_CHUNK` positions. Attention runs as :func:`sdpa_attention` says."""
+    for :data:`POSITION_CHUNK` positions. Attention runs as :func:`fp32_attention` says."""
 
     def __init__(self, every: int, seqs: int = DEFAULT_SEQS):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -512,7 +524,7 @@ class PolicyLagProbe:
         keep = keeps_logits(model)
         positions = length + 1 if keep else prompt_ids.shape[1] + length
         chunk = chunk_size(count, positions, getattr(getattr(model, "config", None), "vocab_size", None))
-        with eval_mode(model), torch.autocast(device_type=device_type, enabled=False), sdpa_attention(model):
+        with eval_mode(model), torch.autocast(device_type=device_type, enabled=False), fp32_attention(model):
             for i, j, counted in chunk_slices(count, chunk, collective=collective):
                 ids = torch.cat([prompt_ids[i:j], completion_ids[i:j]], dim=1)
                 att = torch.cat([prompt_mask[i:j], completion_mask[i:j]], dim=1)
@@ -636,5 +648,5 @@ def metrics_of(rows: torch.Tensor) -> Dict[str, float]:
 
 
 __all__ = ["DEFAULT_SEQS", "KEYS", "PolicyLagProbe", "chunk_size", "chunk_slices", "eval_mode", "gather_rows",
-           "hooks_detached", "keeps_logits", "metrics_of", "refuse_policy_metrics", "sdpa_attention", "sequence_stats",
+           "hooks_detached", "keeps_logits", "metrics_of", "refuse_policy_metrics", "fp32_attention", "sequence_stats",
            "served_weight", "summarize", "swap_hooks", "vocab_parallel_sequence_stats", "weights_swapped", "widened"]

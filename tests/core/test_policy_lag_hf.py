@@ -99,7 +99,7 @@ def test_attention_is_switched_on_wrappers_and_sub_configs(flash):
     transformers config inside is switched, sub-configs of composite models (vision + text) too, and put back."""
     from transformers import Qwen2VLConfig
 
-    from faircast_plugins.policy_lag import sdpa_attention
+    from faircast_plugins.policy_lag import fp32_attention
 
     composite = Qwen2VLConfig()
     composite._attn_implementation = flash  # recursive: the text and vision configs too
@@ -107,7 +107,7 @@ def test_attention_is_switched_on_wrappers_and_sub_configs(flash):
     holder.config = composite
     wrapper = torch.nn.Sequential(torch.nn.Sequential(holder))
     configs = [composite, composite.text_config, composite.vision_config]
-    with sdpa_attention(wrapper):
+    with fp32_attention(wrapper):
         assert [c._attn_implementation for c in configs] == ["sdpa"] * 3
     assert [c._attn_implementation for c in configs] == [flash] * 3
 
@@ -125,11 +125,11 @@ def test_a_model_that_cannot_run_sdpa_is_refused_naming_attn_implementation(flas
 
 
 def test_eager_and_sdpa_models_are_left_as_they_are():
-    from faircast_plugins.policy_lag import sdpa_attention
+    from faircast_plugins.policy_lag import fp32_attention
 
     for attn in ("eager", "sdpa"):
         model = _qwen2(attn, layers=1)
-        with sdpa_attention(model):
+        with fp32_attention(model):
             assert model.config._attn_implementation == attn
 
 
@@ -214,3 +214,29 @@ def test_keeps_logits_reads_the_model_through_its_wrappers():
     assert keeps_logits(model) and keeps_logits(Wrapper(model)) and keeps_logits(Wrapper(Peft(model)))
     assert not keeps_logits(_NoKeep(model)) and not keeps_logits(Wrapper(_NoKeep(model)))
     assert not keeps_logits(Wrapper(torch.nn.Linear(2, 2)))
+
+
+def test_soft_capped_attention_is_measured_with_eager_not_sdpa(flash):
+    """Gemma 2 caps its attention logits (attn_logit_softcapping), which flash-attn and eager apply and transformers'
+    SDPA path drops (5.10-5.17: silently; 5.24: it raises): a flash-attention Gemma 2 is measured with eager
+    attention, the function it trains (the rows of the eager model), and put back."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    def gemma2(attn, cap=0.5):
+        config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                              attn_logit_softcapping=cap)
+        config._attn_implementation = attn
+        torch.manual_seed(0)
+        model = Gemma2ForCausalLM(config)
+        with torch.no_grad():  # attention logits well past the cap: the cap changes the scores
+            for name, p in model.named_parameters():
+                if "q_proj" in name or "k_proj" in name:
+                    p.mul_(30)
+        return model
+
+    views = (lambda p: p.data.bfloat16().float(), lambda p: None)
+    eager, uncapped, model = _rows(gemma2("eager"), *views), _rows(gemma2("eager", None), *views), gemma2(flash)
+    assert not torch.allclose(eager, uncapped, rtol=1e-3)  # the testbed sees the cap
+    assert torch.equal(_rows(model, *views), eager)
+    assert model.config._attn_implementation == flash

@@ -385,7 +385,11 @@ def _reshard_fsdp1(units) -> None:
     forward, and under SHARD_GRAD_OP every unit's, until the backward): the next unshard then gathers the current
     shards, in whichever precision is asked for, cast by whatever is registered then. A kept copy is reused as it is:
     registered after a forward, the next forwards (all of them, while no backward runs) would compute with FSDP's
-    round-to-nearest copy, and unregistered, with Fair Cast's."""
+    round-to-nearest copy, and unregistered, with Fair Cast's. Freed as FSDP1's own post-forward frees: its
+    ``_runtime_utils._reshard``, which also queues the free event that rate-limits FSDP1's next all-gathers
+    (``limit_all_gathers``) on an accelerator."""
+    from torch.distributed.fsdp._runtime_utils import _reshard as fsdp1_reshard
+
     for unit in units:
         handle = unit._handle
         if handle is None or not handle.uses_sharded_strategy:  # NO_SHARD casts its flat parameter at every unshard
@@ -394,8 +398,7 @@ def _reshard_fsdp1(units) -> None:
             continue
         padded = handle._get_padded_unsharded_flat_param()
         if padded.untyped_storage().size() > 0:
-            handle.reshard(True)
-            handle.post_reshard()
+            fsdp1_reshard(unit, handle, True)
 
 
 def _reshard(root: nn.Module) -> None:
@@ -417,7 +420,7 @@ def register_fsdp_module(root: nn.Module, caster: FairCaster, *, trainable_only:
 
     Registering after a forward is fine: every bf16 compute copy FSDP kept from it (an FSDP2 root module's, an FSDP1
     root unit's, every FSDP1 unit's under SHARD_GRAD_OP) is dropped first, so the next forward gathers Fair Cast's
-    copy. Register outside a forward and backward (between them, the autograd graph holds the kept copy).
+    copy. Register outside a forward and its backward (between them the backward would gather the other cast).
     """
     refuse_policy_metrics(caster, "register_fsdp_module (FSDP under TRL and verl)")
     # FSDP2: names are read from the sharded parameters it registers on the modules; both: a bf16 copy kept from an

@@ -338,6 +338,7 @@ CASES = [dict(kind="fsdp2", on=True, tied=False), dict(kind="fsdp2", on=False, t
          # verl's reshard_after_forward: false (FSDP1 keeps every non-root unit unsharded after its forward)
          dict(kind="fsdp1", on=True, tied=False, strategy="SHARD_GRAD_OP"),
          dict(kind="fsdp1_orig", on=False, tied=True, strategy="SHARD_GRAD_OP"),
+         dict(kind="fsdp1_orig", on=True, tied=False, strategy="SHARD_GRAD_OP"),  # registered with use_orig_params
          # registered before FSDP1's lazy init (verl's activate), where every other case registers after a forward
          dict(kind="fsdp1", on=True, tied=True, register_first=True)]
 #: measured in the same launches, no one-process reference: error feedback's served copy holds state (its residual)

@@ -363,4 +363,4 @@ class FSDPPolicyViews:
                 _reshard_fsdp1(self.units1)
 
 
-__all__ = ["FSDPPolicyViews", "fsdp1_modules", "full_master", "gathered_group", "owned_swapped"]
+__all__ = ["FSDPPolicyViews", "full_master", "gathered_group", "owned_swapped"]

@@ -120,7 +120,7 @@ def _device(module) -> torch.device:
     parameter's local tensor."""
     from torch.distributed.fsdp import FSDPModule
 
-    from ..fsdp_policy import fsdp1_modules
+    from ..fsdp import fsdp1_modules
 
     for m in module.modules():
         if isinstance(m, FSDPModule):
